@@ -1,0 +1,54 @@
+"""The attention backend interface and the choice of backend.
+
+A backend stores the step's new keys/values into the paged cache and computes
+attention for prefill (packed variable-length sequences, possibly behind a cached
+prefix) and decode (one query per sequence). Adding a kernel means adding a
+backend file, not editing the model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from zipage.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend:
+    name = "base"
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        raise NotImplementedError
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of packed sequences without a cache (memory profiling only)."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` picks Triton on CUDA and plain PyTorch on the CPU."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError("attention_backend='triton' needs a CUDA device; use 'torch' on the CPU")
+        from zipage.attention.triton_backend import TritonBackend
+        return TritonBackend()
+    if name == "torch":
+        from zipage.attention.torch_backend import TorchBackend
+        return TorchBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch' or 'triton'")

@@ -1,0 +1,148 @@
+"""Where KV lives: the block pool, reference counts and the prefix cache.
+
+Full blocks are identified by a chained hash of their token ids (each block's
+hash covers every token before it too), so equal hashes mean equal prefixes. A
+freed block keeps its hash and contents until the pool hands it out again; a
+later request with the same prefix takes it back without recomputing it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from zipage.engine.sequence import Sequence
+
+
+def chain_hash(previous: int | None, token_ids) -> int:
+    """128-bit hash of one block's tokens, chained to the hash of the block before."""
+    h = xxhash.xxh3_128()
+    if previous is not None:
+        h.update(previous.to_bytes(16, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache must hold at least one block, got num_blocks={num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # Free blocks, least recently freed first: reuse evicts the oldest cached content.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.prefix_hit_tokens = 0  # lifetime counters, for statistics
+        self.prefix_query_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    # -- prefix cache -----------------------------------------------------
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        """Chained hashes of the first ``num_full_blocks`` blocks of ``seq.token_ids``."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs:(i + 1) * bs]))
+        return hashes[:num_full_blocks]
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding a leading run of ``seq``'s full blocks.
+
+        The last token is always recomputed (its logits are needed), so a fully
+        cached prompt still leaves its last block to compute.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        blocks = []
+        for h in self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """How many of ``seq``'s tokens the prefix cache would serve now."""
+        return len(self._cached_prefix(seq)) * self.block_size
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Enter the request's newly filled blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.kv_len // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            block_id = seq.block_table[i]
+            if hashes[i] not in self.hash_to_block and self.block_hash[block_id] is None:
+                self.hash_to_block[hashes[i]] = block_id
+                self.block_hash[block_id] = hashes[i]
+        seq.num_registered_blocks = num_full
+
+    # -- allocation -------------------------------------------------------
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        stale = self.block_hash[block_id]
+        if stale is not None:  # its old contents are about to be overwritten
+            del self.hash_to_block[stale]
+            self.block_hash[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether ``seq`` (waiting) can get blocks for all its tokens now."""
+        cached = self._cached_prefix(seq)
+        revived = sum(1 for b in cached if self.ref_counts[b] == 0)  # cached but in the free pool
+        return self._blocks_for(seq.num_tokens) - len(cached) + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks."""
+        assert len(seq.block_table) == 0, f"{seq} already holds blocks"
+        cached = self._cached_prefix(seq)
+        for block_id in cached:
+            if self.ref_counts[block_id] == 0:
+                del self.free_blocks[block_id]
+            self.ref_counts[block_id] += 1
+            seq.block_table.append(block_id)
+        for _ in range(self._blocks_for(seq.num_tokens) - len(cached)):
+            seq.block_table.append(self._take_free_block())
+        seq.num_prefix_hit_tokens = len(cached) * self.block_size
+        seq.num_registered_blocks = len(cached)
+        self.prefix_hit_tokens += seq.num_prefix_hit_tokens
+        self.prefix_query_tokens += seq.num_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; unreferenced blocks return to the pool."""
+        # Tail first, so the pool reuses a request's tail before its (shareable) head.
+        for block_id in reversed(seq.block_table.array().tolist()):
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_counts[block_id] == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table.clear()
+        seq.kv_len = 0
+        seq.num_registered_blocks = 0
+
+    def needs_block(self, seq: Sequence) -> bool:
+        """Whether the next token of ``seq`` starts a new block."""
+        return seq.kv_len == len(seq.block_table) * self.block_size
+
+    def can_append(self, seq: Sequence) -> bool:
+        return not self.needs_block(seq) or self.num_free_blocks > 0
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make room in ``seq``'s block table for its next token."""
+        if self.needs_block(seq):
+            seq.block_table.append(self._take_free_block())

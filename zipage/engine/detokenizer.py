@@ -1,0 +1,41 @@
+"""Incremental detokenization and stop strings.
+
+Decoding only the tail of the output each step keeps the cost per token
+constant. Text is released only once it cannot change: a byte-level token may end
+in the middle of a UTF-8 character, which decodes to U+FFFD until the next token
+completes it.
+"""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, stop: list[str], include_stop_str: bool, skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.include_stop_str = include_stop_str
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""
+        self.prefix_offset = 0  # tokens decoded as context only, for word boundaries
+        self.read_offset = 0  # tokens whose text is already in ``self.text``
+        self._max_stop = max((len(s) for s in stop), default=0)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, output_ids: list[int]) -> str | None:
+        """Take in the output so far; return the stop string hit, if any."""
+        prefix = self._decode(output_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(output_ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None  # nothing new, or an unfinished character
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(output_ids)
+        search_from = max(0, len(self.text) - self._max_stop + 1)
+        self.text += delta
+        hits = [(at, stop) for stop in self.stop if (at := self.text.find(stop, search_from)) >= 0]
+        if not hits:
+            return None
+        at, stop = min(hits)  # the earliest stop string ends the text
+        self.text = self.text[:at + len(stop) if self.include_stop_str else at]
+        return stop

@@ -1,0 +1,184 @@
+"""The engine loop: add requests, step (schedule -> run -> process outputs), abort.
+
+``LLM`` (offline) and the server both drive this class.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from zipage.config import EngineConfig
+from zipage.engine.block_manager import BlockManager
+from zipage.engine.detokenizer import IncrementalDetokenizer
+from zipage.engine.scheduler import Scheduler
+from zipage.engine.sequence import Sequence
+from zipage.outputs import CompletionOutput, RequestOutput
+from zipage.sampling_params import SamplingParams
+from zipage.utils.loader import load_config, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    is_prefill: bool
+    num_seqs: int
+    num_tokens: int  # tokens computed this step
+    num_preempted: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from zipage.runner.model_runner import ModelRunner
+
+        self.config = config
+        self.hf_config = load_config(config.model)
+        model_max_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        config.scheduler.resolve(model_max_len)
+        self.tokenizer = load_tokenizer(config.model)
+        self.runner = ModelRunner(config, self.hf_config)
+        self.vocab_size = self.runner.vocab_size
+        capacity = self.runner.num_blocks * config.cache.block_size
+        if config.scheduler.max_model_len > capacity:
+            raise ValueError(f"max_model_len={config.scheduler.max_model_len} does not fit the KV cache "
+                             f"({capacity} tokens); lower max_model_len or give the cache more memory")
+        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.eos_token_ids = self._eos_token_ids()
+        self._seed_rng = random.Random(config.seed)
+        self._request_counter = itertools.count()
+        self._requests: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        for source in (self.hf_config, getattr(self.tokenizer, "generation_config", None)):
+            value = getattr(source, "eos_token_id", None)
+            ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        try:
+            from transformers import GenerationConfig
+            gen = GenerationConfig.from_pretrained(self.config.model)
+            value = gen.eos_token_id
+            ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
+        except (OSError, ValueError):
+            pass  # no generation_config.json
+        return ids
+
+    # -- requests ---------------------------------------------------------
+    def prepare_request(self, prompt, params: SamplingParams | None, request_id: str | None = None) -> Sequence:
+        """Validate and tokenize one request without adding it (so a batch can be checked first)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer: give prompts as lists of token ids")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        else:
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        max_len = self.config.scheduler.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len={max_len} allows at most "
+                             f"{max_len - 1} so that one token can be generated")
+        room = max_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if request_id is None:
+            request_id = str(next(self._request_counter))
+        elif request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        return Sequence(request_id, text, token_ids, params, max_tokens, seed)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self._requests[seq.request_id] = seq
+        params = seq.sampling_params
+        if self.tokenizer is not None and params.stop:
+            self._detokenizers[seq.request_id] = IncrementalDetokenizer(
+                self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
+        self.scheduler.add(seq)
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        seq = self.prepare_request(prompt, params, request_id)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self._requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------
+    def step(self) -> tuple[list[RequestOutput], StepStats | None]:
+        """Run one step; return the requests that finished in it and the step's numbers."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return [], None
+        stats = StepStats(batch.is_prefill, len(batch.seqs), batch.num_tokens, len(batch.preempted))
+        token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids)
+        finished = []
+        now = time.perf_counter()
+        for seq, token_id in zip(batch.seqs, token_ids):
+            seq.kv_len = seq.num_tokens if batch.is_prefill else seq.kv_len + 1
+            self.block_manager.register_full_blocks(seq)
+            seq.token_ids.append(token_id)
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                self.scheduler.finish(seq, *reason)
+                finished.append(self._output(seq))
+        return finished, stats
+
+    def _stop_reason(self, seq: Sequence, token_id: int):
+        """``(finish_reason, stop_reason)`` if ``seq`` is done after ``token_id``, else None."""
+        params = seq.sampling_params
+        detok = self._detokenizers.get(seq.request_id)
+        if detok is not None:
+            stop = detok.update(seq.output_token_ids)
+            if stop is not None:
+                return "stop", stop
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return "stop", token_id
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop", None
+        if seq.num_output_tokens >= seq.max_tokens:
+            return "length", None
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        detok = self._detokenizers.pop(seq.request_id, None)
+        self._requests.pop(seq.request_id, None)
+        output_ids = seq.output_token_ids
+        if detok is not None:
+            text = detok.text
+        elif self.tokenizer is not None:
+            ids = output_ids
+            if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str):
+                ids = ids[:-1]  # the token that stopped the request is not part of the text
+            text = self.tokenizer.decode(ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
+        else:
+            text = ""
+        completion = CompletionOutput(0, text, output_ids, seq.finish_reason, seq.stop_reason)
+        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
+                             finished=True, metrics=seq.metrics)

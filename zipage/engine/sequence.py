@@ -1,0 +1,64 @@
+"""One request's state as the engine sees it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from zipage.engine.block_table import BlockTable
+from zipage.outputs import RequestMetrics
+from zipage.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token ids, KV blocks and progress of one request.
+
+    ``kv_len`` counts the tokens whose keys and values sit in the cache. It equals
+    the computed tokens in full-KV mode; compression makes it smaller than the true
+    position, which is why positions come from ``num_tokens``, not from ``kv_len``.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, max_tokens: int, seed: int):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens  # resolved: never runs past the context limit
+        self.seed = seed  # sampling noise depends on (seed, output index) only
+        self.status = SequenceStatus.WAITING
+        self.block_table = BlockTable()
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
+        self.num_registered_blocks = 0  # leading blocks entered in the prefix cache
+        self.kv_len = 0
+        self.num_prefix_hit_tokens = 0  # of the current prefill, served from the prefix cache
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, kv_len={self.kv_len}, "
+                f"blocks={len(self.block_table)}, {self.status.value})")

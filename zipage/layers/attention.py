@@ -1,0 +1,30 @@
+"""The attention layer: store the step's keys/values, then attend through the backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zipage.attention.backend import dense_causal_attention
+from zipage.attention.metadata import get_attention_metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        # Bound by the model runner once the cache is allocated.
+        self.k_cache = self.v_cache = torch.empty(0)
+        self.backend = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q`` [tokens, heads, dim], ``k``/``v`` [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
+        meta = get_attention_metadata()
+        if self.k_cache.numel() == 0:  # memory profiling run, before the cache exists
+            return dense_causal_attention(q, k, v, meta.cu_seqlens_q.tolist(), self.scale)
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)

@@ -1,0 +1,107 @@
+"""Token sampling: penalties, temperature, top-k / top-p / min-p, seeded noise.
+
+Sampling draws ``argmax(p / E)`` with ``E ~ Exp(1)`` (the exponential race, which
+picks token i with probability p_i). ``E`` is a hash of (request seed, output
+index, token id), so a request's samples depend only on its own seed and position:
+reproducible whatever else shares the batch, and the same after preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    """A 64-bit constant as the signed int64 torch stores."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_MIX1, _MIX2 = _signed(0xFF51AFD7ED558CCD), _signed(0xC4CEB9FE1A85EC53)
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """A 64-bit finaliser (murmur3's fmix64): every input bit affects every output bit."""
+    x = x ^ _shift_right(x, 33)
+    x = x * _MIX1
+    x = x ^ _shift_right(x, 33)
+    x = x * _MIX2
+    return x ^ _shift_right(x, 33)
+
+
+def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [batch, vocab], a pure function of (seed, step, token id)."""
+    row = _mix64(seeds.long() * _GOLDEN + steps.long())
+    x = _mix64(row[:, None] + torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)[None, :])
+    uniform = (_shift_right(x, 40).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -torch.log(uniform)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings of one step, on the logits' device."""
+
+    temperatures: torch.Tensor  # [batch] float32; 0 = greedy
+    top_k: torch.Tensor | None  # [batch] int64, vocab size where disabled; None if no row uses it
+    top_p: torch.Tensor | None  # [batch] float32
+    min_p: torch.Tensor | None  # [batch] float32
+    seeds: torch.Tensor  # [batch] int64
+    steps: torch.Tensor  # [batch] int64: index of the output token being sampled
+    all_greedy: bool
+    # repetition penalty: [batch] float32 and a [batch, vocab] bool mask of tokens seen so far
+    repetition_penalty: torch.Tensor | None = None
+    seen_tokens: torch.Tensor | None = None
+    # (row, token) pairs forbidden this step (end-of-sequence before min_tokens)
+    banned_rows: torch.Tensor | None = None
+    banned_tokens: torch.Tensor | None = None
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
+    """Mask to -inf every token outside top-k, then outside the top-p mass, then below min-p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        drop |= rank >= top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if top_p is not None or min_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        if top_p is not None:
+            # Drop a token when the mass before it already reaches top_p (the first is always kept).
+            drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        if min_p is not None:
+            drop |= probs < min_p[:, None] * probs[:, :1]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """Next token id of every row [batch] (int64)."""
+        logits = logits.float()
+        if st.repetition_penalty is not None:
+            penalty = st.repetition_penalty[:, None]
+            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(st.seen_tokens, penalised, logits)
+        if st.banned_rows is not None:
+            logits = logits.index_put((st.banned_rows, st.banned_tokens),
+                                      torch.tensor(float("-inf"), device=logits.device))
+        greedy = logits.argmax(dim=-1)
+        if st.all_greedy:
+            return greedy
+        temperatures = torch.where(st.temperatures > 0, st.temperatures, torch.ones_like(st.temperatures))
+        logits = logits / temperatures[:, None]
+        if st.top_k is not None or st.top_p is not None or st.min_p is not None:
+            logits = apply_top_k_top_p_min_p(logits, st.top_k, st.top_p, st.min_p)
+        probs = logits.softmax(dim=-1)
+        sampled = (probs / exponential_noise(st.seeds, st.steps, logits.shape[-1])).argmax(dim=-1)
+        return torch.where(st.temperatures > 0, sampled, greedy)

@@ -1,0 +1,136 @@
+"""The Llama-style decoder shared by Llama, Qwen2 and Qwen3.
+
+The three families differ only in a few switches (``DecoderSpec``): biases on the
+attention projections, a per-head RMSNorm on queries and keys (Qwen3), and the
+RoPE scaling read from the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zipage.layers.activation import SiluAndMul
+from zipage.layers.attention import Attention
+from zipage.layers.embedding import LMHead, VocabEmbedding
+from zipage.layers.linear import Linear, gate_up_linear, qkv_linear
+from zipage.layers.norm import RMSNorm
+from zipage.layers.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The architecture's switches, read from a HuggingFace config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_index: int, max_position: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = qkv_linear(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, spec.o_bias)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, max_position, spec.rope_theta, spec.rope_scaling)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.attn = Attention(layer_index, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).flatten(1))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.gate_up_proj = gate_up_linear(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_index: int, max_position: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = DecoderAttention(spec, layer_index, max_position)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = DecoderMLP(spec)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: DecoderSpec, max_position: int):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, max_position) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our fused parameter name fragment, shard)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, spec: DecoderSpec, max_position: int):
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec, max_position)
+        self.lm_head = LMHead(spec.vocab_size, spec.hidden_size)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,0 +1,147 @@
+"""Turn a scheduled batch into the tensors of one forward: ids, positions, metadata.
+
+Host work is numpy over preallocated (pinned on CUDA) buffers, one short loop
+over the batch; block tables are copied row by row from each request's array.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from zipage.attention.metadata import AttentionMetadata
+from zipage.engine.sequence import Sequence
+from zipage.layers.sampler import SamplingTensors
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor | None  # prefill: the last token of each sequence
+    num_seqs: int
+
+
+class HostBuffer:
+    """A reusable host array (pinned when the device is CUDA) and its device copy."""
+
+    def __init__(self, shape, dtype, device: torch.device):
+        self.device = device
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        self.np = self.host.numpy()
+
+    def to_device(self, *sizes) -> torch.Tensor:
+        view = self.host[tuple(slice(0, s) for s in sizes)]
+        if self.device.type == "cpu":
+            return view.clone()
+        return view.to(self.device, non_blocking=True)
+
+
+class InputBuilder:
+    def __init__(self, device: torch.device, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_blocks_per_seq: int):
+        self.device, self.block_size = device, block_size
+        tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.input_ids = HostBuffer((tokens,), torch.int64, device)
+        self.positions = HostBuffer((tokens,), torch.int64, device)
+        self.slot_mapping = HostBuffer((tokens,), torch.int64, device)
+        self.context_lens = HostBuffer((max_num_seqs,), torch.int32, device)
+        self.cu_seqlens = HostBuffer((max_num_seqs + 1,), torch.int32, device)
+        self.block_tables = HostBuffer((max_num_seqs, max_blocks_per_seq), torch.int32, device)
+
+    def _block_tables(self, seqs: list[Sequence]) -> tuple[np.ndarray, int]:
+        width = max(len(s.block_table) for s in seqs)
+        table = self.block_tables.np
+        for i, seq in enumerate(seqs):
+            table[i, :len(seq.block_table)] = seq.block_table.array()
+        return table, width
+
+    def prefill(self, seqs: list[Sequence]) -> ModelInputs:
+        bs = self.block_size
+        table, width = self._block_tables(seqs)
+        cu = self.cu_seqlens.np
+        cu[0] = 0
+        n, max_q, cached = 0, 0, False
+        for i, seq in enumerate(seqs):
+            start, end = seq.num_prefix_hit_tokens, seq.num_tokens
+            q_len = end - start
+            pos = np.arange(start, end)
+            self.input_ids.np[n:n + q_len] = seq.token_ids[start:end]
+            self.positions.np[n:n + q_len] = pos
+            self.slot_mapping.np[n:n + q_len] = table[i, pos // bs].astype(np.int64) * bs + pos % bs
+            self.context_lens.np[i] = end
+            n += q_len
+            cu[i + 1] = n
+            max_q = max(max_q, q_len)
+            cached |= start > 0
+        b = len(seqs)
+        cu_q = self.cu_seqlens.to_device(b + 1)
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=self.slot_mapping.to_device(n),
+            context_lens=self.context_lens.to_device(b), block_tables=self.block_tables.to_device(b, width),
+            cu_seqlens_q=cu_q, max_seqlen_q=max_q,
+            max_seqlen_k=max(s.num_tokens for s in seqs), has_cached_prefix=cached)
+        return ModelInputs(self.input_ids.to_device(n), self.positions.to_device(n), meta,
+                           logits_indices=(cu_q[1:] - 1).long(), num_seqs=b)
+
+    def decode(self, seqs: list[Sequence]) -> ModelInputs:
+        bs = self.block_size
+        table, width = self._block_tables(seqs)
+        b = len(seqs)
+        kv_lens = np.fromiter((s.kv_len for s in seqs), dtype=np.int64, count=b)
+        self.input_ids.np[:b] = [s.token_ids[-1] for s in seqs]
+        self.positions.np[:b] = [s.num_tokens - 1 for s in seqs]
+        self.slot_mapping.np[:b] = table[np.arange(b), kv_lens // bs].astype(np.int64) * bs + kv_lens % bs
+        self.context_lens.np[:b] = kv_lens + 1
+        meta = AttentionMetadata(
+            is_prefill=False, slot_mapping=self.slot_mapping.to_device(b),
+            context_lens=self.context_lens.to_device(b), block_tables=self.block_tables.to_device(b, width),
+            max_seqlen_k=int(kv_lens.max()) + 1)
+        return ModelInputs(self.input_ids.to_device(b), self.positions.to_device(b), meta,
+                           logits_indices=None, num_seqs=b)
+
+
+def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[int],
+                     device: torch.device) -> SamplingTensors:
+    """Per-row sampling settings for ``seqs``; optional parts only when some row uses them."""
+    params = [s.sampling_params for s in seqs]
+    all_greedy = all(p.temperature == 0.0 for p in params)
+
+    def floats(values):
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    top_k = top_p = min_p = None
+    if not all_greedy:
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = floats([p.top_p for p in params])
+        if any(p.min_p > 0.0 for p in params):
+            min_p = floats([p.min_p for p in params])
+    st = SamplingTensors(
+        temperatures=floats([p.temperature for p in params]), top_k=top_k, top_p=top_p, min_p=min_p,
+        seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=device),
+        steps=torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.int64, device=device),
+        all_greedy=all_greedy)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        st.repetition_penalty = floats([p.repetition_penalty for p in params])
+        seen = torch.zeros(len(seqs), vocab_size, dtype=torch.bool)
+        for i, seq in enumerate(seqs):
+            if params[i].repetition_penalty != 1.0:
+                seen[i, torch.tensor(seq.token_ids, dtype=torch.int64)] = True
+        st.seen_tokens = seen.to(device)
+    rows, tokens = [], []
+    for i, seq in enumerate(seqs):
+        p = params[i]
+        if seq.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+            banned = [t for t in banned if t < vocab_size]
+            rows += [i] * len(banned)
+            tokens += banned
+    if rows:
+        st.banned_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        st.banned_tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
+    return st

@@ -1,0 +1,54 @@
+"""Size and allocate the paged KV cache: [2, layers, blocks, block_size, kv_heads, head_dim]."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def bytes_per_block(spec, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+
+
+def gpu_kv_budget(device: torch.device, utilization: float) -> int:
+    """Bytes left for KV once weights, the profiled activation peak and others' use are counted."""
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_all = total - free
+    peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+    return int(total * utilization - used_by_all - peak_extra)
+
+
+def num_kv_blocks(spec, cache_config, dtype: torch.dtype, device: torch.device,
+                  needed_blocks: int) -> int:
+    """How many blocks the cache gets: an explicit budget, the GPU's free memory, or 1 GiB on CPU."""
+    per_block = bytes_per_block(spec, cache_config.block_size, dtype)
+    if cache_config.kv_cache_memory_bytes is not None:
+        budget = cache_config.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        budget = gpu_kv_budget(device, cache_config.gpu_memory_utilization)
+    else:
+        budget = DEFAULT_CPU_KV_BYTES
+    blocks = budget // per_block
+    if device.type == "cpu":  # no use in reserving more than every request at full length needs
+        blocks = min(blocks, needed_blocks)
+    if blocks < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
+                         "raise gpu_memory_utilization or kv_cache_memory_bytes, or lower block_size")
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, cache_config.block_size,
+                blocks * per_block / 2**30)
+    return int(blocks)
+
+
+def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) -> torch.Tensor:
+    """One tensor for all layers; each attention layer gets views of its K and V."""
+    spec = model.spec
+    kv = torch.empty(2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+                     dtype=dtype, device=device)
+    for i, layer in enumerate(model.attention_layers()):
+        layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
+    return kv

@@ -1,0 +1,116 @@
+"""The model runner: builds the model and its KV cache, runs one step, samples.
+
+It turns the scheduler's batch into tensors (``inputs.py``), runs prefill eagerly
+and decode through CUDA graphs when it can (``cuda_graph.py``), and returns one
+sampled token per request.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from zipage.attention.backend import select_backend
+from zipage.attention.metadata import AttentionMetadata, attention_metadata
+from zipage.config import DTYPES, EngineConfig
+from zipage.engine.sequence import Sequence
+from zipage.layers.sampler import Sampler
+from zipage.models.registry import build_model
+from zipage.runner.cuda_graph import DecodeGraphs
+from zipage.runner.inputs import InputBuilder, sampling_tensors
+from zipage.runner.kv_cache import allocate_kv_cache, num_kv_blocks
+from zipage.utils.loader import init_dummy_weights, load_weights
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on GPU, float32 on the CPU (fast and exact there)."""
+    if DTYPES[name] is not None:
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config):
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        sched, cache = config.scheduler, config.cache
+        self.block_size = cache.block_size
+        self.max_blocks_per_seq = -(-sched.max_model_len // self.block_size)
+
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = build_model(hf_config, sched.max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        self.model.eval()
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, config.model)
+        self.spec = self.model.spec
+        self.vocab_size = self.spec.vocab_size
+
+        self.backend = select_backend(config.attention_backend, self.device)
+        for layer in self.model.attention_layers():
+            layer.backend = self.backend
+        self.sampler = Sampler()
+        self.inputs = InputBuilder(self.device, self.block_size, sched.max_num_seqs,
+                                   sched.max_num_batched_tokens, self.max_blocks_per_seq)
+        if self.device.type == "cuda":
+            self._profile_peak_activation()
+        needed = sched.max_num_seqs * self.max_blocks_per_seq
+        self.num_blocks = num_kv_blocks(self.spec, cache, self.dtype, self.device, needed)
+        self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, sched.max_num_seqs, self.max_blocks_per_seq, self.device)
+            self.graphs.capture()
+
+    @torch.inference_mode()
+    def _profile_peak_activation(self) -> None:
+        """One prefill of the largest step, before the cache exists, to measure its memory peak."""
+        sched = self.config.scheduler
+        num_tokens = sched.max_num_batched_tokens
+        num_seqs = min(sched.max_num_seqs, max(1, num_tokens // sched.max_model_len))
+        lens = [num_tokens // num_seqs] * num_seqs
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0, device=self.device),
+                                 context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+                                 block_tables=torch.empty(0, device=self.device), cu_seqlens_q=cu,
+                                 max_seqlen_q=lens[0], max_seqlen_k=lens[0])
+        total = sum(lens)
+        ids = torch.zeros(total, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        with attention_metadata(meta):
+            hidden = self.model(ids, positions)
+        self.model.compute_logits(hidden[cu[1:].long() - 1])
+        torch.cuda.synchronize(self.device)
+        del hidden
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int]) -> list[int]:
+        """Run one step for ``seqs`` and return one sampled token id per sequence."""
+        inputs = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
+        if not is_prefill and self.graphs is not None and self.graphs.can_run(len(seqs)):
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+        else:
+            with attention_metadata(inputs.metadata):
+                hidden = self.model(inputs.input_ids, inputs.positions)
+            if inputs.logits_indices is not None:
+                hidden = hidden[inputs.logits_indices]
+            logits = self.model.compute_logits(hidden)
+        st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device)
+        return self.sampler(logits, st).tolist()

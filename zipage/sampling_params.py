@@ -1,0 +1,92 @@
+"""Per-request sampling settings, shaped like vLLM's ``SamplingParams``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(init=False)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature=0`` is greedy decoding. ``seed`` makes a request's samples
+    depend only on the seed and the token position, not on the rest of the batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+
+    def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                 min_p: float = 0.0, max_tokens: int | None = 16, min_tokens: int = 0,
+                 ignore_eos: bool = False, stop: str | list[str] | None = None,
+                 stop_token_ids: list[int] | None = None,
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 seed: int | None = None, repetition_penalty: float = 1.0, **unknown):
+        if unknown:
+            allowed = ", ".join(f.name for f in fields(self))
+            raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; allowed: {allowed}")
+        self.temperature = _number("temperature", temperature, low=0.0)
+        self.top_p = _number("top_p", top_p, low=0.0, high=1.0, low_open=True)
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or (top_k < 1 and top_k not in (-1, 0)):
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or an integer >= 1, got {top_k!r}")
+        self.top_k = top_k if top_k > 0 else -1
+        self.min_p = _number("min_p", min_p, low=0.0, high=1.0)
+        if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 (or None for the model's limit), got {max_tokens!r}")
+        self.max_tokens = max_tokens
+        if not _is_int(min_tokens) or min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})")
+        self.min_tokens = min_tokens
+        self.ignore_eos = bool(ignore_eos)
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        stop = list(stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
+        self.stop = stop
+        stop_token_ids = list(stop_token_ids or [])
+        if any(not _is_int(t) or t < 0 for t in stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {stop_token_ids!r}")
+        self.stop_token_ids = stop_token_ids
+        self.include_stop_str_in_output = bool(include_stop_str_in_output)
+        self.skip_special_tokens = bool(skip_special_tokens)
+        if seed is not None and not _is_int(seed):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        self.seed = seed
+        self.repetition_penalty = _number("repetition_penalty", repetition_penalty, low=0.0, low_open=True)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(name: str, value, low: float | None = None, high: float | None = None,
+            low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    below = value <= low if low_open else value < low
+    if (low is not None and below) or (high is not None and value > high):
+        lo = "(" if low_open else "["
+        hi = f"{high}]" if high is not None else "inf)"
+        raise ValueError(f"{name} must be in {lo}{low}, {hi}, got {value!r}")
+    return float(value)

@@ -1,0 +1,112 @@
+"""Build HuggingFace checkpoints locally: a small byte-level BPE tokenizer and
+random-weight models, either tiny (tests, CPU demo) or in real shapes (benchmarks).
+
+Nothing is downloaded: the tokenizer is trained here on a built-in text, and the
+model is written by ``transformers`` itself, so it loads exactly as a real one does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = """
+A request decodes thousands of tokens while it reasons about a problem. Each step
+depends on the steps before it: first we read the statement, then we compute the
+intermediate results, check them again, and finally state the answer.
+Let x = 12 and y = 30. Then x + y = 42, x * y = 360, and y - x = 18.
+The quick brown fox jumps over the lazy dog. 0 1 2 3 4 5 6 7 8 9 10 100 1000.
+Question: what is the sum of the first ten positive integers? Answer: 55.
+We check the result once more: 1 + 2 + 3 + 4 + 5 + 6 + 7 + 8 + 9 + 10 = 55.
+Therefore the final answer is 55. Please reason step by step.
+"""
+
+# Real model shapes for benchmarks (weights are random; load with load_format="dummy").
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=4096),
+    "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                      rope_theta=500000.0, tie_word_embeddings=False,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+
+
+def build_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer (any text round-trips) with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, chat_template=CHATML_TEMPLATE)
+
+
+def hf_config(arch: str = "qwen3", shape: str = "tiny", vocab_size: int | None = None, **overrides):
+    """A transformers config of ``arch`` (qwen3, qwen2, llama) in a named shape."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    classes = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}
+    if arch not in classes:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(classes)}")
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose from {sorted(SHAPES)}")
+    fields = dict(SHAPES[shape])
+    if vocab_size is not None:
+        fields["vocab_size"] = vocab_size
+    if arch == "qwen2":
+        fields.pop("head_dim", None)  # Qwen2 derives it from hidden_size / heads
+    fields.update(overrides)
+    rope_scaling = fields.pop("rope_scaling", None)
+    config = classes[arch](**fields)
+    if rope_scaling is not None:
+        theta = fields.get("rope_theta", 10000.0)
+        config.rope_scaling = dict(rope_scaling, rope_theta=theta)
+        if hasattr(config, "rope_parameters"):
+            config.rope_parameters = dict(rope_scaling, rope_theta=theta)
+    return config
+
+
+def make_checkpoint(path: str, arch: str = "qwen3", shape: str = "tiny", dtype: torch.dtype = torch.float32,
+                    seed: int = 0, with_weights: bool = True, max_shard_size: str | None = None,
+                    **overrides) -> str:
+    """Write config.json, tokenizer files and (optionally) random safetensors weights to ``path``."""
+    os.makedirs(path, exist_ok=True)
+    tokenizer = build_tokenizer()
+    vocab = None if "vocab_size" in SHAPES[shape] else len(tokenizer)
+    config = hf_config(arch, shape, vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **overrides)
+    config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
+    config.dtype = dtype
+    tokenizer.save_pretrained(path)
+    if not with_weights:
+        config.save_pretrained(path)
+        return path
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path

@@ -1,0 +1,96 @@
+"""Load a HuggingFace checkpoint directory: config, safetensors weights, tokenizer."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def check_model_dir(model_dir: str) -> None:
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model directory {model_dir!r} does not exist (give a local checkpoint directory)")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"model directory {model_dir!r} has no config.json")
+
+
+def load_config(model_dir: str):
+    from transformers import AutoConfig
+    check_model_dir(model_dir)
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer, or ``None`` when it ships none (token-id prompts only)."""
+    from transformers import AutoTokenizer
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(model_dir, n)) for n in names):
+        logger.warning("no tokenizer files in %s: prompts must be token ids", model_dir)
+        return None
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    """Copy every safetensors tensor into its (possibly fused) parameter; all must be covered."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in {model_dir!r}")
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules", {})
+    expected = {(name, shard) for name, p in params.items()
+                for shard in (_shards_of(model, name) or [None])}
+    loaded = set()
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target, shard = _target_of(name, packed)
+                param = params.get(target)
+                if param is None:
+                    if not name.endswith("rotary_emb.inv_freq") and not (
+                            name == "lm_head.weight" and model.spec.tie_word_embeddings):
+                        logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
+                    continue
+                loader = getattr(param, "weight_loader", None)
+                tensor = f.get_tensor(name)
+                if loader is None:
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                    param.data.copy_(tensor)
+                else:
+                    loader(param, tensor, shard)
+                loaded.add((target, shard))
+    missing = sorted(f"{n}" + (f" ({s})" if s else "") for n, s in expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir!r} lacks weights for: {', '.join(missing[:10])}"
+                         + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+
+
+def _target_of(name: str, packed: dict) -> tuple[str, str | None]:
+    for fragment, (fused, shard) in packed.items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{fused}."), shard
+    return name, None
+
+
+def _shards_of(model: nn.Module, param_name: str) -> list | None:
+    module = model.get_submodule(param_name.rsplit(".", 1)[0])
+    return list(getattr(module, "shard_slices", {}) or []) or None
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights for benchmarks in real shapes: N(0, 0.02), norms at 1."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name.rsplit(".", 2)[-2]:
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
