@@ -138,7 +138,12 @@ class LLMEngine:
         finished = []
         now = time.perf_counter()
         for seq, token_id in zip(batch.seqs, token_ids):
-            seq.kv_len = seq.num_tokens if batch.is_prefill else seq.kv_len + 1
+            if batch.is_prefill:
+                seq.kv_len = seq.num_tokens
+                if seq.num_output_tokens == 0:
+                    seq.metrics.num_cached_prompt_tokens = seq.num_prefix_hit_tokens
+            else:
+                seq.kv_len += 1
             self.block_manager.register_full_blocks(seq)
             seq.token_ids.append(token_id)
             if seq.metrics.first_token_time is None:

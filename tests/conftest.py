@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny random checkpoints written by transformers, and HF references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zipage.utils.checkpoint import make_checkpoint
+
+# Llama with llama3 rope scaling whose original context is short, so scaling matters here.
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+CHECKPOINTS = {
+    "qwen3": dict(arch="qwen3"),
+    "qwen2": dict(arch="qwen2"),
+    "llama": dict(arch="llama", rope_scaling=LLAMA3_SCALING),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """``checkpoint_dir(name, **options)``: path of a tiny checkpoint, built once per session."""
+    cache: dict = {}
+
+    def build(name: str, **options) -> str:
+        key = (name, tuple(sorted(options.items())))
+        if key not in cache:
+            settings = dict(CHECKPOINTS.get(name, {"arch": name}), **options)
+            path = tmp_path_factory.mktemp(f"ckpt-{name}")
+            cache[key] = make_checkpoint(str(path), initializer_range=0.05, seed=len(cache), **settings)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """``hf_greedy(model_dir, prompt_ids, n)``: transformers' greedy continuation (cached)."""
+    from transformers import AutoModelForCausalLM
+    models: dict = {}
+    results: dict = {}
+
+    def run(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (model_dir, tuple(prompt_ids), max_new_tokens)
+        if key not in results:
+            if model_dir not in models:
+                models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            ids = torch.tensor([prompt_ids])
+            with torch.no_grad():
+                out = models[model_dir].generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                                 eos_token_id=None, pad_token_id=0)
+            results[key] = out[0, len(prompt_ids):].tolist()
+        return results[key]
+
+    return run
+
+
+def assert_pool_full(llm) -> None:
+    """Every block is back in the free pool and no request is left."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks leaked"
+    assert all(c == 0 for c in bm.ref_counts)

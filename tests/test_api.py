@@ -1,0 +1,185 @@
+"""The user-facing API: inputs, outputs, stop conditions, errors, the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zipage import LLM, SamplingParams
+from zipage.cli import main as cli_main
+from tests.conftest import assert_pool_full
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint_dir):
+    return LLM(checkpoint_dir("qwen3"), block_size=16, max_num_seqs=4, max_model_len=256)
+
+
+def test_outputs_in_input_order_with_metrics(llm):
+    prompts = ["a b c", [5, 6, 7], "Let x = 12", [9] * 40]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 1, 20)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 9, 1, 20]
+    assert outputs[0].prompt == "a b c" and outputs[1].prompt is None
+    assert outputs[1].prompt_token_ids == [5, 6, 7]
+    for out in outputs:
+        m = out.metrics
+        assert out.finished and out.outputs[0].finish_reason == "length"
+        assert m.time_to_first_token > 0 and m.decode_time >= 0
+    assert_pool_full(llm)
+
+
+def test_single_prompt_forms(llm):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    by_text = llm.generate("hello world", params, use_tqdm=False)
+    by_ids = llm.generate(llm.tokenizer.encode("hello world"), params, use_tqdm=False)
+    assert len(by_text) == len(by_ids) == 1
+    assert by_text[0].outputs[0].token_ids == by_ids[0].outputs[0].token_ids
+
+
+def test_eos_and_stop_token_ids_and_min_tokens(llm):
+    eos = llm.tokenizer.eos_token_id
+    greedy = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = greedy[5]
+    first = greedy.index(stop_id)
+    out = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == greedy[:first + 1]
+    # min_tokens keeps a stop token from ending (or being chosen) before the minimum
+    out = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=30, min_tokens=first + 2,
+                                                   stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert stop_id not in out.token_ids[:first + 2]
+    assert eos not in out.token_ids[:first + 2]
+    assert_pool_full(llm)
+
+
+def test_stop_strings_trim_text(llm):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = llm.generate(["The quick brown fox"], params, use_tqdm=False)[0].outputs[0]
+    text = full.text
+    assert len(text) > 6
+    stop = text[3:6]
+    at = text.find(stop)
+    out = llm.generate(["The quick brown fox"],
+                       SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop, "\x00never"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:at]
+    kept = llm.generate(["The quick brown fox"],
+                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=stop,
+                                       include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[:at + len(stop)]
+    assert_pool_full(llm)
+
+
+def test_generation_stops_at_max_model_len(llm):
+    out = llm.generate([[3] * 250], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=24, seed=1234, ignore_eos=True)
+    alone = llm.generate(["Let x = 12"], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.7, max_tokens=10, ignore_eos=True)
+    mixed = llm.generate(["The quick", "Let x = 12", [4, 5, 6, 7]], [others, params, others],
+                         use_tqdm=False)[1].outputs[0].token_ids
+    assert alone == mixed
+    different = llm.generate(["Let x = 12"], SamplingParams(temperature=1.0, max_tokens=24, seed=99,
+                                                            ignore_eos=True), use_tqdm=False)
+    assert different[0].outputs[0].token_ids != alone
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is 2 + 2?"}],
+                   SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert len(out) == 1
+    assert out[0].prompt.startswith("<|im_start|>user\nWhat is 2 + 2?<|im_end|>")
+    assert out[0].prompt.endswith("<|im_start|>assistant\n")
+    two = llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]],
+                   SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(two) == 2
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", None, "prompt is empty"),
+    ([], None, "prompt is empty"),
+    ([1] * 256, None, "max_model_len=256"),
+    ([10 ** 6], None, "token ids must be in"),
+    (3.5, None, "must be a string or a list of token ids"),
+])
+def test_bad_requests_raise_and_leave_the_engine_clean(llm, prompt, params, message):
+    good = SamplingParams(temperature=0, max_tokens=3)
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["fine prompt", prompt], [good, params or good], use_tqdm=False)
+    assert_pool_full(llm)  # the good request was not queued either
+    assert len(llm.generate(["fine prompt"], good, use_tqdm=False)) == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_k=-5), "top_k"),
+    (dict(min_p=2.0), "min_p"),
+    (dict(bogus=1), "unknown sampling parameter"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_engine_arguments(checkpoint_dir, tmp_path):
+    model_dir = checkpoint_dir("qwen3")
+    with pytest.raises(ValueError, match="unknown engine argument 'tensor_paralel_size'"):
+        LLM(model_dir, tensor_paralel_size=2)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(model_dir, block_size=24)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(model_dir, gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="max_model_len=99999 exceeds"):
+        LLM(model_dir, max_model_len=99999)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
+                                                      "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+        LLM(str(tmp_path))
+
+
+def test_missing_weights_are_named(checkpoint_dir, tmp_path):
+    import shutil
+    from safetensors.torch import load_file, save_file
+    src = checkpoint_dir("qwen2")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{src}/{name}", tmp_path / name)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        LLM(str(tmp_path))
+    weights = load_file(f"{src}/model.safetensors")
+    del weights["model.layers.1.self_attn.k_proj.bias"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.qkv_proj.bias \\(k\\)"):
+        LLM(str(tmp_path))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs(checkpoint_dir, dtype):
+    llm = LLM(checkpoint_dir("qwen3"), dtype=dtype, block_size=16)
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+    assert_pool_full(llm)
+
+
+def test_cli_generate(checkpoint_dir, capsys):
+    code = cli_main(["generate", "--model", checkpoint_dir("qwen3"), "--prompt", "hello", "--prompt", "world",
+                     "--max-tokens", "5", "--ignore-eos", "--json", "--block-size", "16"])
+    assert code == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [len(line["token_ids"]) for line in lines] == [5, 5]
+    assert cli_main(["generate", "--model", "/nonexistent/dir", "--prompt", "x"]) == 2

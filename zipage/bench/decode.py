@@ -1,0 +1,88 @@
+"""``zipage bench decode``: decode throughput at fixed batch and context.
+
+For each batch size, ``batch`` requests with ``context``-token random prompts are
+prefilled, then decoded together for ``steps`` steps. The roofline is the time
+the step's unavoidable bytes (weights once, plus every request's KV) take at the
+measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+
+import torch
+
+from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S, model_dir_for, print_table, write_json
+
+
+def add_decode_parser(sub) -> None:
+    p = sub.add_parser("decode", help="decode tokens/s at fixed batch sizes and context length")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: --shape with random weights)")
+    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--arch", default="qwen3")
+    p.add_argument("--batch", default="1,64,256", help="comma-separated batch sizes")
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
+    p.add_argument("--modes", default="graphs,eager", help="graphs and/or eager")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="write JSON results here")
+    p.set_defaults(func=run_decode_bench)
+
+
+def _weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads (the embedding table only by rows)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    if embed is not model.lm_head.weight:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def run_decode_bench(args: argparse.Namespace) -> int:
+    from zipage import LLM, SamplingParams
+
+    model_dir, load_format = model_dir_for(args.model, args.shape, args.arch)
+    batches = [int(b) for b in args.batch.split(",")]
+    rows = []
+    for mode in args.modes.split(","):
+        llm = LLM(model_dir, load_format=load_format, device=args.device, block_size=args.block_size,
+                  max_num_seqs=max(batches), max_model_len=args.context + args.steps + 8,
+                  enforce_eager=(mode == "eager"), enable_prefix_caching=False)
+        runner = llm.engine.runner
+        spec = runner.spec
+        kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * runner.dtype.itemsize
+        weight_bytes = _weight_bytes(runner.model)
+        rng = random.Random(0)
+        for batch in batches:
+            for _ in range(batch):
+                prompt = [rng.randrange(runner.vocab_size) for _ in range(args.context)]
+                llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.steps + 1,
+                                                              ignore_eos=True))
+            decode_times = []
+            while llm.engine.has_unfinished_requests():
+                start = time.perf_counter()
+                _, stats = llm.engine.step()
+                if stats is not None and not stats.is_prefill and stats.num_seqs == batch:
+                    decode_times.append(time.perf_counter() - start)
+            decode_times = decode_times[2:]  # warm-up steps
+            step = sorted(decode_times)[len(decode_times) // 2]
+            mean_context = args.context + args.steps / 2
+            bytes_per_step = weight_bytes + batch * mean_context * kv_bytes_per_token
+            floor = bytes_per_step / COPY_BANDWIDTH_BYTES_PER_S
+            rows.append(dict(mode=mode, batch=batch, context=args.context, step_ms=1000 * step,
+                             tokens_per_s=batch / step, roofline_tokens_per_s=batch / floor,
+                             roofline_fraction=floor / step))
+            print_table(rows[-1:], list(rows[-1]))
+        del llm, runner
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print()
+    print_table(rows, list(rows[0]))
+    write_json(args.out, dict(benchmark="decode", model=args.model or args.shape, rows=rows,
+                              block_size=args.block_size, steps=args.steps))
+    return 0

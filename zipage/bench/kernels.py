@@ -1,0 +1,114 @@
+"""``zipage bench kernels``: the attention kernels against their twins and the copy ceiling.
+
+Checks each kernel's output against its PyTorch twin on fresh random inputs, then
+times it with CUDA events. The paged-decode kernel must read every K and V byte
+of every request once, so bytes over time is its achieved bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S, print_table, write_json
+
+
+def add_kernel_parser(sub) -> None:
+    p = sub.add_parser("kernels", help="attention kernel correctness and bandwidth (GPU)")
+    p.add_argument("--batch", default="1,64,256")
+    p.add_argument("--context", default="1024,4096")
+    p.add_argument("--block-size", default="16,256")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=run_kernel_bench)
+
+
+def _time_ms(fn, iters: int = 50) -> float:
+    """Median of CUDA-event timings after a warm-up."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _paged_problem(batch, context, block_size, heads, kv_heads, head_dim, dtype, device, ragged=False):
+    g = torch.Generator(device=device).manual_seed(batch * 7919 + context)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    if ragged:
+        lens = torch.randint(1, context + 1, (batch,), generator=torch.Generator().manual_seed(context))
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).view(batch, blocks_per_seq)
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g, device=device, dtype=dtype)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g, device=device, dtype=dtype)
+    return k, v, tables.to(device=device, dtype=torch.int32), lens.to(device)
+
+
+def run_kernel_bench(args: argparse.Namespace) -> int:
+    from zipage.kernels.paged_decode import paged_decode_attention, paged_decode_attention_torch
+    from zipage.kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_torch
+    from zipage.kernels.store_kv import store_kv
+
+    if not torch.cuda.is_available():
+        raise ValueError("zipage bench kernels needs a CUDA GPU")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    h, kvh, d = args.heads, args.kv_heads, args.head_dim
+    scale = d ** -0.5
+    rows = []
+    for block_size in [int(x) for x in args.block_size.split(",")]:
+        for context in [int(x) for x in args.context.split(",")]:
+            for batch in [int(x) for x in args.batch.split(",")]:
+                k, v, tables, lens = _paged_problem(batch, context, block_size, h, kvh, d, dtype, device)
+                q = torch.randn(batch, h, d, device=device, dtype=dtype)
+                out = paged_decode_attention(q, k, v, tables, lens, scale)
+                ref = paged_decode_attention_torch(q, k, v, tables, lens, scale)
+                ms = _time_ms(lambda: paged_decode_attention(q, k, v, tables, lens, scale))
+                moved = 2 * batch * context * kvh * d * dtype.itemsize + 2 * q.numel() * dtype.itemsize
+                rows.append(dict(kernel="paged_decode", block_size=block_size, batch=batch, context=context,
+                                 rel_err=_rel_err(out, ref), us=1000 * ms, tb_per_s=moved / ms / 1e9,
+                                 of_copy_ceiling=moved / (ms / 1e3) / COPY_BANDWIDTH_BYTES_PER_S))
+                print_table(rows[-1:], list(rows[-1]))
+                del k, v
+    # Prefill over the paged cache (the prefix-cache path) and the KV store, one size each.
+    for block_size in [int(x) for x in args.block_size.split(",")]:
+        batch, context, new = 8, 2048, 1024
+        k, v, tables, lens = _paged_problem(batch, context, block_size, h, kvh, d, dtype, device)
+        cu = torch.arange(0, (batch + 1) * new, new, dtype=torch.int32, device=device)
+        q = torch.randn(batch * new, h, d, device=device, dtype=dtype)
+        out = paged_prefill_attention(q, k, v, tables, cu, lens, new, scale)
+        ref = paged_prefill_attention_torch(q, k, v, tables, cu, lens, new, scale)
+        ms = _time_ms(lambda: paged_prefill_attention(q, k, v, tables, cu, lens, new, scale), iters=20)
+        # causal FLOPs: each query sees (context - new + its index) keys; 4 FLOPs per q-k-d (QK and PV)
+        keys_seen = batch * (new * (context - new) + new * (new + 1) / 2)
+        flops = 4 * keys_seen * h * d
+        rows.append(dict(kernel="paged_prefill", block_size=block_size, batch=batch, context=context,
+                         rel_err=_rel_err(out, ref), us=1000 * ms, tflops=flops / ms / 1e9))
+        print_table(rows[-1:], list(rows[-1]))
+        tokens = batch * new
+        key, value = (torch.randn(tokens, kvh, d, device=device, dtype=dtype) for _ in range(2))
+        slots = torch.randperm(k.shape[0] * block_size, device=device)[:tokens]
+        ms = _time_ms(lambda: store_kv(key, value, k, v, slots))
+        moved = 4 * key.numel() * dtype.itemsize
+        rows.append(dict(kernel="store_kv", block_size=block_size, batch=tokens, us=1000 * ms,
+                         tb_per_s=moved / ms / 1e9))
+        print_table(rows[-1:], list(rows[-1]))
+    write_json(args.out, dict(benchmark="kernels", rows=rows, heads=h, kv_heads=kvh, head_dim=d))
+    print()
+    for kind in ("paged_decode", "paged_prefill", "store_kv"):
+        subset = [r for r in rows if r["kernel"] == kind]
+        print_table(subset, list(subset[0]))
+    return 0

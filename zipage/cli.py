@@ -1,0 +1,90 @@
+"""Command line: ``zipage generate | demo | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    g.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
+    g.add_argument("--block-size", type=int, default=256)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+                seed=args.seed, load_format=args.load_format)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from zipage import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, max_tokens=args.max_tokens, seed=args.sample_seed,
+                            stop=args.stop or None, ignore_eos=args.ignore_eos)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    for out in outputs:
+        c = out.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason}))
+        else:
+            print(f"--- prompt: {out.prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zipage", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from prompts")
+    gen.add_argument("--model", required=True, help="local HuggingFace checkpoint directory")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per output")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    from zipage.bench.cli import add_bench_parser
+    from zipage.demo import add_demo_parser
+    add_demo_parser(sub)
+    add_bench_parser(sub)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"zipage: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
