@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from zipage.utils.checkpoint import make_checkpoint
+# Engine tests run on the CPU unless ZIPAGE_TEST_DEVICE=cuda (a GPU check).
+TEST_DEVICE = os.environ.get("ZIPAGE_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    # Triton kernels run on the CPU through its interpreter; Triton reads this when a
+    # kernel is defined, so it must be set before anything imports zipage.kernels.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from zipage.utils.checkpoint import make_checkpoint  # noqa: E402
 
 # Llama with llama3 rope scaling whose original context is short, so scaling matters here.
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -55,6 +64,14 @@ def hf_greedy():
         return results[key]
 
     return run
+
+
+def make_llm(model_dir: str, **kwargs):
+    """An engine on the test device, in float32 so that greedy tokens match transformers."""
+    from zipage import LLM
+    kwargs.setdefault("device", TEST_DEVICE)
+    kwargs.setdefault("dtype", "float32")
+    return LLM(model_dir, **kwargs)
 
 
 def assert_pool_full(llm) -> None:

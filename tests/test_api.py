@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from zipage import LLM, SamplingParams
+from zipage import SamplingParams
 from zipage.cli import main as cli_main
-from tests.conftest import assert_pool_full
+from tests.conftest import assert_pool_full, make_llm
 
 
 @pytest.fixture(scope="module")
 def llm(checkpoint_dir):
-    return LLM(checkpoint_dir("qwen3"), block_size=16, max_num_seqs=4, max_model_len=256)
+    return make_llm(checkpoint_dir("qwen3"), block_size=16, max_num_seqs=4, max_model_len=256)
 
 
 def test_outputs_in_input_order_with_metrics(llm):
@@ -136,21 +136,21 @@ def test_bad_sampling_params(kwargs, message):
 def test_bad_engine_arguments(checkpoint_dir, tmp_path):
     model_dir = checkpoint_dir("qwen3")
     with pytest.raises(ValueError, match="unknown engine argument 'tensor_paralel_size'"):
-        LLM(model_dir, tensor_paralel_size=2)
+        make_llm(model_dir, tensor_paralel_size=2)
     with pytest.raises(ValueError, match="block_size"):
-        LLM(model_dir, block_size=24)
+        make_llm(model_dir, block_size=24)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        LLM(model_dir, gpu_memory_utilization=1.5)
+        make_llm(model_dir, gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="max_model_len=99999 exceeds"):
-        LLM(model_dir, max_model_len=99999)
+        make_llm(model_dir, max_model_len=99999)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        LLM(str(tmp_path / "nowhere"))
+        make_llm(str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        LLM(str(tmp_path))
+        make_llm(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
                                                       "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
-        LLM(str(tmp_path))
+        make_llm(str(tmp_path))
 
 
 def test_missing_weights_are_named(checkpoint_dir, tmp_path):
@@ -160,17 +160,17 @@ def test_missing_weights_are_named(checkpoint_dir, tmp_path):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{src}/{name}", tmp_path / name)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
-        LLM(str(tmp_path))
+        make_llm(str(tmp_path))
     weights = load_file(f"{src}/model.safetensors")
     del weights["model.layers.1.self_attn.k_proj.bias"]
     save_file(weights, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="model.layers.1.self_attn.qkv_proj.bias \\(k\\)"):
-        LLM(str(tmp_path))
+        make_llm(str(tmp_path))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs(checkpoint_dir, dtype):
-    llm = LLM(checkpoint_dir("qwen3"), dtype=dtype, block_size=16)
+    llm = make_llm(checkpoint_dir("qwen3"), dtype=dtype, block_size=16)
     out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
     assert_pool_full(llm)

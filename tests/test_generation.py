@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from zipage import LLM, SamplingParams
-from tests.conftest import assert_pool_full
+from zipage import SamplingParams
+from tests.conftest import assert_pool_full, make_llm
 
 NEW_TOKENS = 64
 
@@ -31,7 +31,7 @@ def _check_against_hf(llm, model_dir, prompts, hf_greedy, max_tokens=NEW_TOKENS)
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_greedy_matches_transformers(arch, checkpoint_dir, hf_greedy):
     model_dir = checkpoint_dir(arch)
-    llm = LLM(model_dir, block_size=16, max_num_seqs=8)
+    llm = make_llm(model_dir, block_size=16, max_num_seqs=8)
     vocab = llm.engine.vocab_size
     # lengths straddle block boundaries; 100 + 64 tokens spans 11 blocks
     prompts = _prompts(1, vocab, [1, 5, 16, 17, 40, 100])
@@ -40,7 +40,7 @@ def test_greedy_matches_transformers(arch, checkpoint_dir, hf_greedy):
 
 def test_text_prompts_and_multi_shard_tied_checkpoint(checkpoint_dir, hf_greedy):
     model_dir = checkpoint_dir("qwen3", tie_word_embeddings=True, max_shard_size="40KB")
-    llm = LLM(model_dir, block_size=16)
+    llm = make_llm(model_dir, block_size=16)
     text = ["Let x = 12 and y = 30.", "Please reason step by step."]
     ids = [llm.tokenizer.encode(t) for t in text]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -54,7 +54,7 @@ def test_text_prompts_and_multi_shard_tied_checkpoint(checkpoint_dir, hf_greedy)
 
 def test_prefix_cache_hits_keep_outputs(checkpoint_dir, hf_greedy):
     model_dir = checkpoint_dir("qwen3")
-    llm = LLM(model_dir, block_size=16, max_num_seqs=8)
+    llm = make_llm(model_dir, block_size=16, max_num_seqs=8)
     vocab = llm.engine.vocab_size
     shared = _prompts(2, vocab, [48])[0]  # three full blocks
     prompts = [shared + tail for tail in _prompts(3, vocab, [1, 7, 16, 30])] + [shared[:32]]
@@ -74,7 +74,7 @@ def test_preemption_under_a_tiny_cache(checkpoint_dir, hf_greedy):
     from zipage.runner.kv_cache import bytes_per_block
     from zipage.utils.loader import load_config
     per_block = bytes_per_block(spec_from_config(load_config(model_dir)), 16, torch.float32)
-    llm = LLM(model_dir, block_size=16, max_model_len=192, kv_cache_memory_bytes=12 * per_block)
+    llm = make_llm(model_dir, block_size=16, max_model_len=192, kv_cache_memory_bytes=12 * per_block)
     assert llm.engine.block_manager.num_blocks == 12
     prompts = _prompts(4, llm.engine.vocab_size, [20, 33, 9, 40, 25, 12])
     _check_against_hf(llm, model_dir, prompts, hf_greedy)
