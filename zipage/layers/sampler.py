@@ -42,7 +42,9 @@ def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int)
     """Exp(1) noise [batch, vocab], a pure function of (seed, step, token id)."""
     row = _mix64(seeds.long() * _GOLDEN + steps.long())
     x = _mix64(row[:, None] + torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)[None, :])
-    uniform = (_shift_right(x, 40).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    # 23 bits, so that v + 0.5 is exact in float32 (with 24 bits the top value rounded to
+    # 2**24, giving uniform == 1 and noise -0.0, and 0 / -0.0 = NaN won the argmax).
+    uniform = (_shift_right(x, 41).float() + 0.5) * (1.0 / (1 << 23))  # in (0, 1)
     return -torch.log(uniform)
 
 
@@ -77,7 +79,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k, top_p, min_p) -> torch.
         probs = sorted_logits.softmax(dim=-1)
         if top_p is not None:
             # Drop a token when the mass before it already reaches top_p (the first is always kept).
-            drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+            # Rows with top_p = 1 keep everything: float32 rounding can bring the running sum
+            # to 1.0 before the tail, which must not drop tokens of a disabled row.
+            drop |= ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
         if min_p is not None:
             drop |= probs < min_p[:, None] * probs[:, :1]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
