@@ -1,0 +1,281 @@
+"""Tests of the KV-cache and attention kernels against float64 references.
+
+The Triton kernels run on CPU tensors under Triton's interpreter, which reads
+TRITON_INTERPRET when the kernels are decorated, i.e. at import time.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import itertools  # noqa: E402
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from zipage.kernels.paged_decode import paged_decode_attention, paged_decode_attention_torch  # noqa: E402
+from zipage.kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_torch  # noqa: E402
+from zipage.kernels.store_kv import store_kv, store_kv_torch  # noqa: E402
+
+HEAD_DIM = 32
+NUM_KV_HEADS = 2
+TWIN_TOLERANCE = 1e-5
+TRITON_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3}
+
+
+def require_triton():
+    pytest.importorskip("triton")
+
+
+def relative_error(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def assert_close(out, ref, tolerance):
+    assert torch.isfinite(out).all(), "output has non-finite (unwritten or NaN) elements"
+    error = relative_error(out, ref)
+    assert error < tolerance, f"relative error {error:.3g} >= {tolerance:.3g}"
+
+
+# ---------------------------------------------------------------- references
+
+
+def gather_tokens(cache, block_table_row, length):
+    """[length, kv_heads, head_dim] float64, one slot lookup per token."""
+    block_size = cache.shape[1]
+    tokens = [cache[int(block_table_row[t // block_size]), t % block_size] for t in range(length)]
+    return torch.stack(tokens).double()
+
+
+def attend(query, keys, values, scale):
+    """Softmax attention of one query vector over [n, head_dim] keys / values."""
+    scores = keys @ query * scale
+    weights = torch.exp(scores - scores.max())
+    return (weights / weights.sum()) @ values
+
+
+def reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+    batch, num_heads, head_dim = q.shape
+    group_size = num_heads // k_cache.shape[2]
+    out = torch.zeros(batch, num_heads, head_dim, dtype=torch.float64)
+    for seq in range(batch):
+        length = int(context_lens[seq])
+        if length == 0:
+            continue
+        keys = gather_tokens(k_cache, block_tables[seq], length)
+        values = gather_tokens(v_cache, block_tables[seq], length)
+        for head in range(num_heads):
+            kv_head = head // group_size
+            out[seq, head] = attend(q[seq, head].double(), keys[:, kv_head], values[:, kv_head], scale)
+    return out
+
+
+def reference_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
+    total_q, num_heads, head_dim = q.shape
+    group_size = num_heads // k_cache.shape[2]
+    out = torch.zeros(total_q, num_heads, head_dim, dtype=torch.float64)
+    for seq in range(len(context_lens)):
+        q_begin, q_end = int(cu_seqlens_q[seq]), int(cu_seqlens_q[seq + 1])
+        length = int(context_lens[seq])
+        keys = gather_tokens(k_cache, block_tables[seq], length)
+        values = gather_tokens(v_cache, block_tables[seq], length)
+        for row in range(q_begin, q_end):
+            position = length - (q_end - q_begin) + (row - q_begin)
+            for head in range(num_heads):
+                kv_head = head // group_size
+                visible = slice(0, position + 1)
+                out[row, head] = attend(
+                    q[row, head].double(), keys[visible, kv_head], values[visible, kv_head], scale
+                )
+    return out
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def make_paged_kv(context_lens, block_size, dtype, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM):
+    """Random caches and a block table with permuted physical blocks.
+
+    Slots no sequence owns (spare blocks, the tail of a partly filled page)
+    hold NaN, and unused block-table entries hold garbage (-1, out-of-range
+    and valid-looking ids), so reading anything outside a context shows up.
+    The block table is a column slice of a wider buffer (row stride != width).
+    """
+    pages_per_seq = [math.ceil(length / block_size) for length in context_lens]
+    num_blocks = sum(pages_per_seq) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    columns = max(pages_per_seq) + 2
+    buffer = torch.randint(-1, num_blocks + 100, (len(context_lens), columns + 3), dtype=torch.int32)
+    block_tables = buffer[:, 1 : columns + 1]
+    physical_blocks = torch.randperm(num_blocks).tolist()
+    for seq, (length, num_pages) in enumerate(zip(context_lens, pages_per_seq)):
+        pages = [physical_blocks.pop() for _ in range(num_pages)]
+        block_tables[seq, :num_pages] = torch.tensor(pages, dtype=torch.int32)
+        for cache in (k_cache, v_cache):
+            cache[pages] = torch.randn(num_pages, block_size, num_kv_heads, head_dim).to(dtype)
+            if length % block_size:
+                cache[pages[-1], length % block_size :] = float("nan")
+    return k_cache, v_cache, block_tables
+
+
+def make_queries(num_rows, num_heads, dtype, head_dim=HEAD_DIM):
+    """Queries as a strided view (head slice of a wider projection output)."""
+    return torch.randn(num_rows, num_heads + 2, head_dim).to(dtype)[:, 1 : num_heads + 1]
+
+
+def decode_lengths(block_size):
+    """Single token, empty (padding row), partial last page, exact multiple, many pages."""
+    return [1, block_size + 5, 0, 2 * block_size, 3 * block_size + 7]
+
+
+def make_decode_inputs(group_size, block_size, dtype):
+    context_lens = decode_lengths(block_size)
+    k_cache, v_cache, block_tables = make_paged_kv(context_lens, block_size, dtype)
+    q = make_queries(len(context_lens), NUM_KV_HEADS * group_size, dtype)
+    return q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def prefill_shapes(block_size, with_prefix):
+    """(q_len, context_len) per sequence; several span more than one query tile."""
+    if with_prefix:
+        return [(1, 2 * block_size + 1), (5, 3 * block_size), (10, 100), (block_size, 2 * block_size), (150, 160)]
+    return [(1, 1), (block_size + 3, block_size + 3), (2 * block_size, 2 * block_size), (140, 140)]
+
+
+def make_prefill_inputs(group_size, block_size, with_prefix, dtype):
+    shapes = prefill_shapes(block_size, with_prefix)
+    q_lens = [q_len for q_len, _ in shapes]
+    context_lens = [length for _, length in shapes]
+    k_cache, v_cache, block_tables = make_paged_kv(context_lens, block_size, dtype)
+    q = make_queries(sum(q_lens), NUM_KV_HEADS * group_size, dtype)
+    cu_seqlens_q = torch.tensor(list(itertools.accumulate(q_lens, initial=0)), dtype=torch.int32)
+    return q, k_cache, v_cache, block_tables, cu_seqlens_q, torch.tensor(context_lens, dtype=torch.int32), max(q_lens)
+
+
+# ---------------------------------------------------------------- store_kv
+
+
+def make_store_inputs(dtype, slot_dtype):
+    num_tokens, num_heads, block_size = 7, 4, 16
+    k_cache = torch.randn(5, block_size, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+    v_cache = torch.randn(5, block_size, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+    # key / value as slices of a fused qkv projection output.
+    qkv = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * HEAD_DIM).to(dtype)
+    key_begin = num_heads * HEAD_DIM
+    value_begin = key_begin + NUM_KV_HEADS * HEAD_DIM
+    key = qkv[:, key_begin:value_begin].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    value = qkv[:, value_begin:].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    slots = torch.randperm(k_cache.shape[0] * block_size)[:num_tokens]
+    slots[[2, 5]] = -1  # padding rows
+    return key, value, k_cache, v_cache, slots.to(slot_dtype)
+
+
+def expected_after_store(key, value, k_cache, v_cache, slots):
+    block_size = k_cache.shape[1]
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            k_expected[slot // block_size, slot % block_size] = key[token]
+            v_expected[slot // block_size, slot % block_size] = value[token]
+    return k_expected, v_expected
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv(use_triton, slot_dtype, dtype):
+    if use_triton:
+        require_triton()
+    key, value, k_cache, v_cache, slots = make_store_inputs(dtype, slot_dtype)
+    k_expected, v_expected = expected_after_store(key, value, k_cache, v_cache, slots)
+    result = (store_kv if use_triton else store_kv_torch)(key, value, k_cache, v_cache, slots)
+    assert result is None
+    # Exact: written slots hold the new rows, every other slot is untouched.
+    assert torch.equal(k_cache, k_expected)
+    assert torch.equal(v_cache, v_expected)
+
+
+# ---------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+def test_decode_torch_twin(group_size, block_size):
+    q, k_cache, v_cache, block_tables, context_lens = make_decode_inputs(group_size, block_size, torch.float32)
+    scale = HEAD_DIM**-0.5
+    out = paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_close(out, reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale), TWIN_TOLERANCE)
+    assert torch.all(out[2] == 0)  # context_len 0
+
+
+@pytest.mark.parametrize("num_splits", [None, 2, 5], ids=["auto-splits", "2-splits", "5-splits"])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+def test_decode_triton(group_size, block_size, num_splits):
+    require_triton()
+    q, k_cache, v_cache, block_tables, context_lens = make_decode_inputs(group_size, block_size, torch.float32)
+    scale = HEAD_DIM**-0.5
+    out = torch.full_like(q, float("nan"))
+    result = paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale, out=out, num_splits=num_splits
+    )
+    assert result is out
+    ref = reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    assert_close(out, ref, TRITON_TOLERANCE[torch.float32])
+    assert torch.all(out[2] == 0)  # context_len 0
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["1-split", "3-splits"])
+def test_decode_triton_float16(num_splits):
+    require_triton()
+    q, k_cache, v_cache, block_tables, context_lens = make_decode_inputs(4, 16, torch.float16)
+    scale = HEAD_DIM**-0.5
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits)
+    assert out.dtype == torch.float16
+    ref = reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    assert_close(out, ref, TRITON_TOLERANCE[torch.float16])
+    assert torch.all(out[2] == 0)
+
+
+# ---------------------------------------------------------------- prefill
+
+
+@pytest.mark.parametrize("with_prefix", [False, True], ids=["no-prefix", "prefix"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+def test_prefill_torch_twin(group_size, block_size, with_prefix):
+    inputs = make_prefill_inputs(group_size, block_size, with_prefix, torch.float32)
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q = inputs
+    scale = HEAD_DIM**-0.5
+    out = paged_prefill_attention_torch(*inputs, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    ref = reference_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    assert_close(out, ref, TWIN_TOLERANCE)
+
+
+@pytest.mark.parametrize("with_prefix", [False, True], ids=["no-prefix", "prefix"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+def test_prefill_triton(group_size, block_size, with_prefix):
+    require_triton()
+    inputs = make_prefill_inputs(group_size, block_size, with_prefix, torch.float32)
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q = inputs
+    scale = HEAD_DIM**-0.5
+    out = paged_prefill_attention(*inputs, scale)
+    ref = reference_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    assert_close(out, ref, TRITON_TOLERANCE[torch.float32])
+
+
+def test_prefill_triton_float16():
+    require_triton()
+    inputs = make_prefill_inputs(2, 16, True, torch.float16)
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q = inputs
+    scale = HEAD_DIM**-0.5
+    out = paged_prefill_attention(*inputs, scale)
+    assert out.dtype == torch.float16
+    ref = reference_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    assert_close(out, ref, TRITON_TOLERANCE[torch.float16])

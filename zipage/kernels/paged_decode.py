@@ -1,0 +1,324 @@
+"""Decode attention over the paged KV cache (one query token per sequence).
+
+Flash-decoding with split-K: program (seq, kv_head, split) attends all query
+heads of one GQA group to a contiguous, tile-aligned share of that sequence's
+context, so every K/V tile is read from memory exactly once. Each split writes
+a normalised partial output and its log-sum-exp; a second kernel merges them.
+"""
+
+import functools
+import math
+
+import torch
+
+from zipage.kernels.common import dot_precision
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton for this platform: only the PyTorch twin is usable
+    triton = None
+
+# Tuning knobs, measured on an H200 (bf16, 32 query / 8 KV heads).
+# (tokens per K/V tile, num_warps, num_stages) by bytes per cached K/V row
+# (head_dim * element size, clamped to 128..512); the 512 entry also keeps
+# 1 KiB rows (float32, head_dim 256) within shared memory.
+DECODE_TILE_CONFIG = {128: (128, 4, 3), 256: (64, 4, 3), 512: (32, 4, 2)}
+# Split-K aims at this many programs per SM (about 8 waves of the 4 that are
+# resident at once), so that batches of unequal context lengths balance
+# across SMs; equal-length batches pay ~5% for the extra merging.
+DECODE_PROGRAMS_PER_SM = 32
+DECODE_MAX_SPLITS = 64  # bounds the merge kernel's register tile
+
+_LOG2_E = 1.4426950408889634
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        context_lens_ptr,
+        out_ptr,
+        partial_out_ptr,
+        partial_lse_ptr,
+        scale_log2,
+        q_stride_seq,
+        q_stride_head,
+        out_stride_seq,
+        out_stride_head,
+        cache_stride_block,
+        cache_stride_slot,
+        cache_stride_head,
+        block_table_stride,
+        num_heads,
+        num_splits,
+        GROUP_SIZE: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SINGLE_SPLIT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """One program per (seq, kv_head, split); writes `out` directly when SINGLE_SPLIT."""
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+
+        context_len = tl.load(context_lens_ptr + seq)
+        num_tiles = tl.cdiv(context_len, BLOCK_N)
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        tile_begin = split * tiles_per_split
+        tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+        # Splits past a short context have no work; the merge kernel skips
+        # them. Split 0 always runs so that a context_len of 0 writes zeros.
+        if (tile_begin >= tile_end) & (split > 0):
+            return
+
+        # The group's query heads are the rows of a matrix, padded to the
+        # smallest tl.dot shape; padding rows are zero and never stored.
+        rows = tl.arange(0, GROUP_PAD)
+        row_mask = rows < GROUP_SIZE
+        heads = kv_head * GROUP_SIZE + rows
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(
+            q_ptr + seq * q_stride_seq + heads[:, None] * q_stride_head + dims[None, :],
+            mask=row_mask[:, None],
+            other=0.0,
+        )
+
+        block_table_row = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+        kv_head_offset = kv_head * cache_stride_head
+        row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        row_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for tile in range(tile_begin, tile_end):
+            positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = positions < context_len
+            # A tile may span several pages when BLOCK_N > PAGE_SIZE: look up the
+            # page of every token (repeated entries hit the cache).
+            pages = tl.load(block_table_row + positions // PAGE_SIZE, mask=valid, other=0)
+            token_offsets = (
+                pages.to(tl.int64) * cache_stride_block + (positions % PAGE_SIZE) * cache_stride_slot + kv_head_offset
+            )
+            kv_offsets = token_offsets[:, None] + dims[None, :]
+            # Masked (not just discarded) so that stale NaNs past the context
+            # cannot reach the P @ V product.
+            k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
+
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            # Every tile holds at least one valid token, so new_max is finite.
+            new_max = tl.maximum(row_max, tl.max(scores, 1))
+            probs = tl.exp2(scores - new_max[:, None])
+            correction = tl.exp2(row_max - new_max)
+            row_sum = row_sum * correction + tl.sum(probs, 1)
+            acc = tl.dot(probs.to(v.dtype), v, acc * correction[:, None], input_precision=DOT_PRECISION)
+            row_max = new_max
+
+        # context_len 0 leaves row_sum 0: write zeros, not NaN.
+        safe_sum = tl.where(row_sum > 0, row_sum, 1.0)
+        result = acc / safe_sum[:, None]
+        if SINGLE_SPLIT:
+            out_offsets = seq * out_stride_seq + heads[:, None] * out_stride_head + dims[None, :]
+            tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        else:
+            partial_rows = (seq * num_heads + heads) * num_splits + split
+            tl.store(
+                partial_out_ptr + partial_rows[:, None] * HEAD_DIM + dims[None, :],
+                result,
+                mask=row_mask[:, None],
+            )
+            tl.store(partial_lse_ptr + partial_rows, row_max + tl.log2(safe_sum), mask=row_mask)
+
+    @triton.jit
+    def _decode_merge_kernel(
+        partial_out_ptr,
+        partial_lse_ptr,
+        context_lens_ptr,
+        out_ptr,
+        out_stride_seq,
+        out_stride_head,
+        num_heads,
+        num_splits,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+    ):
+        """One program per (seq, head): log-sum-exp weighted sum of the split outputs."""
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+
+        # Recompute which splits got work (same arithmetic as the split kernel):
+        # the others returned early and left their scratch rows unwritten.
+        context_len = tl.load(context_lens_ptr + seq)
+        num_tiles = tl.cdiv(context_len, BLOCK_N)
+        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)  # 1: no division by 0 tiles
+        active_splits = tl.cdiv(num_tiles, tiles_per_split)
+
+        splits = tl.arange(0, SPLITS_PAD)
+        split_mask = splits < active_splits
+        partial_rows = (seq * num_heads + head) * num_splits + splits
+        lse = tl.load(partial_lse_ptr + partial_rows, mask=split_mask, other=float("-inf"))
+        max_lse = tl.max(lse, 0)
+        # No active split (context_len 0): keep the weights 0 instead of NaN.
+        max_lse = tl.where(max_lse == float("-inf"), 0.0, max_lse)
+        weights = tl.exp2(lse - max_lse)
+        dims = tl.arange(0, HEAD_DIM)
+        partial_out = tl.load(
+            partial_out_ptr + partial_rows[:, None] * HEAD_DIM + dims[None, :],
+            mask=split_mask[:, None],
+            other=0.0,
+        )
+        weight_sum = tl.sum(weights, 0)
+        result = tl.sum(partial_out * weights[:, None], 0) / tl.where(weight_sum > 0, weight_sum, 1.0)
+        tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + dims, result.to(out_ptr.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the Triton CPU interpreter runs programs one at a time
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _choose_num_splits(batch, num_kv_heads, max_tiles, device):
+    """Splits per sequence from static shapes only (CUDA-graph safe).
+
+    Up to DECODE_PROGRAMS_PER_SM programs per SM, and no more splits than
+    the longest possible context has tiles.
+    """
+    target_programs = DECODE_PROGRAMS_PER_SM * _multiprocessor_count(device)
+    splits = target_programs // max(batch * num_kv_heads, 1)
+    return max(1, min(splits, max_tiles, DECODE_MAX_SPLITS))
+
+
+def _check_args(q, k_cache, v_cache, block_tables, context_lens):
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
+    assert block_tables.dim() == 2 and block_tables.shape[0] == batch
+    assert context_lens.shape == (batch,)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, *, num_splits=None):
+    """Attend each sequence's single query to its first context_lens[i] cached tokens.
+
+    q: [batch, num_heads, head_dim]; k_cache / v_cache: [num_blocks, block_size,
+    kv_heads, head_dim]; block_tables: int32 [batch, >= pages needed];
+    context_lens: int32 [batch] (0 gives zeros). Returns [batch, num_heads,
+    head_dim] in q.dtype, written into `out` when given. num_splits overrides
+    the split-K factor (for tuning and tests). CUDA-graph capturable.
+    """
+    _check_args(q, k_cache, v_cache, block_tables, context_lens)
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert head_dim in (16, 32, 64, 128, 256), "head_dim must be a power of two in [16, 256]"
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    assert q.dtype == k_cache.dtype == v_cache.dtype
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and block_tables.stride(1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(2) == 1
+    if batch == 0:
+        return out
+
+    group_size = num_heads // num_kv_heads
+    row_bytes = head_dim * k_cache.element_size()
+    block_n, num_warps, num_stages = DECODE_TILE_CONFIG[min(max(row_bytes, 128), 512)]
+    max_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)
+    if num_splits is None:
+        num_splits = _choose_num_splits(batch, num_kv_heads, max_tiles, q.device)
+    single_split = num_splits == 1
+    if single_split:
+        partial_out = partial_lse = out  # unused
+    else:
+        partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        partial_out,
+        partial_lse,
+        scale * _LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        num_heads,
+        num_splits,
+        GROUP_SIZE=group_size,
+        GROUP_PAD=max(16, triton.next_power_of_2(group_size)),
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=block_size,
+        BLOCK_N=block_n,
+        SINGLE_SPLIT=single_split,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if not single_split:
+        _decode_merge_kernel[(batch, num_heads)](
+            partial_out,
+            partial_lse,
+            context_lens,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_N=block_n,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, out=None):
+    """PyTorch twin of paged_decode_attention (float32 math, vectorised over the batch)."""
+    _check_args(q, k_cache, v_cache, block_tables, context_lens)
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group_size = num_heads // num_kv_heads
+
+    # Gather only as many pages as the longest context needs (at least one,
+    # so that every reduction below has a non-empty axis).
+    max_context = int(context_lens.max()) if batch else 0
+    num_pages = max(math.ceil(max_context / block_size), 1)
+    page_index = torch.arange(num_pages, device=q.device)
+    pages_used = (context_lens[:, None].long() + block_size - 1) // block_size
+    # Unused block-table entries may hold anything: point them at block 0.
+    pages = torch.where(page_index[None, :] < pages_used, block_tables[:, :num_pages].long(), 0)
+    keys = k_cache[pages].reshape(batch, num_pages * block_size, num_kv_heads, head_dim).float()
+    values = v_cache[pages].reshape(batch, num_pages * block_size, num_kv_heads, head_dim).float()
+    valid = torch.arange(num_pages * block_size, device=q.device)[None, :] < context_lens[:, None]
+    values = values.masked_fill(~valid[:, :, None, None], 0.0)
+
+    queries = q.float().reshape(batch, num_kv_heads, group_size, head_dim)
+    scores = torch.einsum("bhgd,bnhd->bhgn", queries, keys) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    probs = torch.exp(scores - row_max)
+    row_sum = probs.sum(dim=-1, keepdim=True)
+    result = torch.einsum("bhgn,bnhd->bhgd", probs, values) / torch.where(row_sum > 0, row_sum, 1.0)
+    result = result.reshape(batch, num_heads, head_dim).to(q.dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

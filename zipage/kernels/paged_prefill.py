@@ -1,0 +1,258 @@
+"""Prefill attention over the paged KV cache (varlen, causal, with cached prefix).
+
+Sequence i owns query rows cu_seqlens_q[i]:cu_seqlens_q[i+1]; they are the
+last q_len tokens of its context_lens[i] cached tokens, so query j sits at
+position context_len - q_len + j and sees keys at positions <= its own
+(bottom-right aligned causal mask). Flash-attention forward: one program per
+(query tile, sequence, query head), online softmax in float32.
+"""
+
+import math
+
+import torch
+
+from zipage.kernels.common import dot_precision
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton for this platform: only the PyTorch twin is usable
+    triton = None
+
+# Tuning knobs, measured on an H200 (bf16, 32 query / 8 KV heads).
+# (query rows per program, keys per tile, num_warps, num_stages) by bytes per
+# K/V row (head_dim * element size, clamped to 128..512); the 512 entry also
+# keeps 1 KiB rows (float32, head_dim 256) within shared memory.
+PREFILL_TILE_CONFIG = {128: (64, 64, 4, 2), 256: (128, 128, 8, 2), 512: (64, 32, 4, 2)}
+
+_LOG2_E = 1.4426950408889634
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_tile(
+        q,
+        row_max,
+        row_sum,
+        acc,
+        key_begin,
+        q_positions,
+        context_len,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table_row,
+        kv_head_offset,
+        cache_stride_block,
+        cache_stride_slot,
+        scale_log2,
+        HEAD_DIM: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Online-softmax update with keys key_begin:key_begin+BLOCK_N.
+
+        With CAUSAL False the caller guarantees every key is valid and visible to
+        every query row, so no masking is done.
+        """
+        positions = key_begin + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, HEAD_DIM)
+        in_context = positions < context_len
+        pages = tl.load(block_table_row + positions // PAGE_SIZE, mask=in_context, other=0)
+        token_offsets = pages.to(tl.int64) * cache_stride_block + (positions % PAGE_SIZE) * cache_stride_slot
+        kv_offsets = (token_offsets + kv_head_offset)[:, None] + dims[None, :]
+        if CAUSAL:
+            k = tl.load(k_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + kv_offsets)
+            v = tl.load(v_cache_ptr + kv_offsets)
+
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if CAUSAL:
+            visible = (positions[None, :] <= q_positions[:, None]) & in_context[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+        # Key 0 is visible to every row and sits in the first tile processed, so
+        # row_max is finite from the first call on.
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        probs = tl.exp2(scores - new_max[:, None])
+        correction = tl.exp2(row_max - new_max)
+        row_sum = row_sum * correction + tl.sum(probs, 1)
+        acc = tl.dot(probs.to(v.dtype), v, acc * correction[:, None], input_precision=DOT_PRECISION)
+        return new_max, row_sum, acc
+
+    @triton.jit
+    def _prefill_kernel(
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        cu_seqlens_q_ptr,
+        context_lens_ptr,
+        out_ptr,
+        scale_log2,
+        q_stride_token,
+        q_stride_head,
+        out_stride_token,
+        out_stride_head,
+        cache_stride_block,
+        cache_stride_slot,
+        cache_stride_head,
+        block_table_stride,
+        GROUP_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """One program per (BLOCK_M query rows, sequence, query head)."""
+        q_tile = tl.program_id(0)
+        seq = tl.program_id(1)
+        head = tl.program_id(2)
+
+        q_begin = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+        # The grid is sized for the longest sequence.
+        if q_tile * BLOCK_M >= q_len:
+            return
+        context_len = tl.load(context_lens_ptr + seq)
+        prefix_len = context_len - q_len
+
+        rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < q_len
+        q_positions = prefix_len + rows
+        dims = tl.arange(0, HEAD_DIM)
+        tokens = (q_begin + rows).to(tl.int64)
+        q = tl.load(
+            q_ptr + tokens[:, None] * q_stride_token + head * q_stride_head + dims[None, :],
+            mask=row_mask[:, None],
+            other=0.0,
+        )
+
+        block_table_row = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+        kv_head_offset = (head // GROUP_SIZE) * cache_stride_head
+        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+        # Keys before the tile's first query position are visible to all its rows
+        # (and lie inside the context): full tiles of them need no mask.
+        unmasked_end = (prefix_len + q_tile * BLOCK_M) // BLOCK_N * BLOCK_N
+        # No row of this tile sees past the last row's position (tiles further
+        # right are entirely above the diagonal and skipped).
+        key_end = tl.minimum(context_len, prefix_len + (q_tile + 1) * BLOCK_M)
+        for key_begin in range(0, unmasked_end, BLOCK_N):
+            row_max, row_sum, acc = _attend_tile(
+                q, row_max, row_sum, acc, key_begin, q_positions, context_len,
+                k_cache_ptr, v_cache_ptr, block_table_row, kv_head_offset,
+                cache_stride_block, cache_stride_slot, scale_log2,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
+        for key_begin in range(unmasked_end, key_end, BLOCK_N):
+            row_max, row_sum, acc = _attend_tile(
+                q, row_max, row_sum, acc, key_begin, q_positions, context_len,
+                k_cache_ptr, v_cache_ptr, block_table_row, kv_head_offset,
+                cache_stride_block, cache_stride_slot, scale_log2,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
+
+        result = acc / row_sum[:, None]
+        tl.store(
+            out_ptr + tokens[:, None] * out_stride_token + head * out_stride_head + dims[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None],
+        )
+
+
+def _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
+    assert q.dim() == 3 and k_cache.dim() == 4
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, cache_head_dim = k_cache.shape[2:]
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
+    batch = context_lens.shape[0]
+    assert cu_seqlens_q.shape == (batch + 1,) and block_tables.shape[0] == batch
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale):
+    """Causal varlen attention of packed queries over the paged KV cache.
+
+    q: [total_q, num_heads, head_dim]; cu_seqlens_q: int32 [batch + 1];
+    context_lens: int32 [batch] (>= each sequence's q_len, keys already
+    stored); max_seqlen_q: host int >= every q_len. Returns [total_q,
+    num_heads, head_dim] in q.dtype.
+    """
+    _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    total_q, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    batch = context_lens.shape[0]
+    assert head_dim in (16, 32, 64, 128, 256), "head_dim must be a power of two in [16, 256]"
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    assert q.dtype == k_cache.dtype == v_cache.dtype
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and block_tables.stride(1) == 1
+    out = torch.empty_like(q)
+    if total_q == 0 or batch == 0:
+        return out
+
+    row_bytes = head_dim * k_cache.element_size()
+    block_m, block_n, num_warps, num_stages = PREFILL_TILE_CONFIG[min(max(row_bytes, 128), 512)]
+    _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), batch, num_heads)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        out,
+        scale * _LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP_SIZE=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale):
+    """PyTorch twin of paged_prefill_attention (float32 math, one SDPA call per sequence)."""
+    _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group_size = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_q.tolist()
+    for seq, context_len in enumerate(context_lens.tolist()):
+        q_begin, q_end = bounds[seq], bounds[seq + 1]
+        q_len = q_end - q_begin
+        if q_len == 0:
+            continue
+        pages = block_tables[seq, : math.ceil(context_len / block_size)].long()
+        # [kv_heads, context_len, head_dim]
+        keys = k_cache[pages].flatten(0, 1)[:context_len].transpose(0, 1).float()
+        values = v_cache[pages].flatten(0, 1)[:context_len].transpose(0, 1).float()
+        # Fold the GQA group into the query rows: [kv_heads, group * q_len, head_dim].
+        queries = q[q_begin:q_end].float().reshape(q_len, num_kv_heads, group_size, head_dim)
+        queries = queries.permute(1, 2, 0, 3).reshape(num_kv_heads, group_size * q_len, head_dim)
+        q_positions = torch.arange(context_len - q_len, context_len, device=q.device)
+        visible = torch.arange(context_len, device=q.device)[None, :] <= q_positions[:, None]
+        visible = visible.repeat(group_size, 1)
+        result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible, scale=scale)
+        result = result.reshape(num_kv_heads, group_size, q_len, head_dim).permute(2, 0, 1, 3)
+        out[q_begin:q_end] = result.reshape(q_len, num_heads, head_dim).to(q.dtype)
+    return out
