@@ -62,19 +62,20 @@ def run_decode_bench(args: argparse.Namespace) -> int:
                 prompt = [rng.randrange(runner.vocab_size) for _ in range(args.context)]
                 llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.steps + 1,
                                                               ignore_eos=True))
-            decode_times = []
+            decode_times, host_times = [], []
             while llm.engine.has_unfinished_requests():
                 start = time.perf_counter()
                 _, stats = llm.engine.step()
                 if stats is not None and not stats.is_prefill and stats.num_seqs == batch:
                     decode_times.append(time.perf_counter() - start)
-            decode_times = decode_times[2:]  # warm-up steps
-            step = sorted(decode_times)[len(decode_times) // 2]
+                    host_times.append(stats.host_s)
+            step = sorted(decode_times[2:])[len(decode_times[2:]) // 2]  # median after warm-up
+            host = sorted(host_times[2:])[len(host_times[2:]) // 2]
             mean_context = args.context + args.steps / 2
             bytes_per_step = weight_bytes + batch * mean_context * kv_bytes_per_token
             floor = bytes_per_step / COPY_BANDWIDTH_BYTES_PER_S
             rows.append(dict(mode=mode, batch=batch, context=args.context, step_ms=1000 * step,
-                             tokens_per_s=batch / step, roofline_tokens_per_s=batch / floor,
+                             host_ms=1000 * host, tokens_per_s=batch / step, roofline_tokens_per_s=batch / floor,
                              roofline_fraction=floor / step))
             print_table(rows[-1:], list(rows[-1]))
         del llm, runner

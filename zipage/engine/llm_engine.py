@@ -29,6 +29,7 @@ class StepStats:
     num_seqs: int
     num_tokens: int  # tokens computed this step
     num_preempted: int
+    host_s: float = 0.0  # CPU time of the step outside the model and sampler (scheduling, inputs, outputs)
 
 
 class LLMEngine:
@@ -130,10 +131,12 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], StepStats | None]:
         """Run one step; return the requests that finished in it and the step's numbers."""
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return [], None
         stats = StepStats(batch.is_prefill, len(batch.seqs), batch.num_tokens, len(batch.preempted))
+        scheduled = time.perf_counter()
         token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids)
         finished = []
         now = time.perf_counter()
@@ -152,6 +155,7 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, *reason)
                 finished.append(self._output(seq))
+        stats.host_s = scheduled - start + self.runner.last_prepare_s + time.perf_counter() - now
         return finished, stats
 
     def _stop_reason(self, seq: Sequence, token_id: int):

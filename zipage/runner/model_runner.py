@@ -8,6 +8,7 @@ sampled token per request.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -73,6 +74,7 @@ class ModelRunner:
         needed = sched.max_num_seqs * self.max_blocks_per_seq
         self.num_blocks = num_kv_blocks(self.spec, cache, self.dtype, self.device, needed)
         self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.last_prepare_s = 0.0  # host time of the last step's input preparation
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, sched.max_num_seqs, self.max_blocks_per_seq, self.device)
@@ -103,7 +105,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int]) -> list[int]:
         """Run one step for ``seqs`` and return one sampled token id per sequence."""
+        start = time.perf_counter()
         inputs = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
+        st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device)
+        self.last_prepare_s = time.perf_counter() - start
         if not is_prefill and self.graphs is not None and self.graphs.can_run(len(seqs)):
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
         else:
@@ -112,5 +117,4 @@ class ModelRunner:
             if inputs.logits_indices is not None:
                 hidden = hidden[inputs.logits_indices]
             logits = self.model.compute_logits(hidden)
-        st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device)
         return self.sampler(logits, st).tolist()
