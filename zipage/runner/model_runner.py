@@ -42,6 +42,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
+            if self.device.index is None:  # memory queries need an explicit index
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         sched, cache = config.scheduler, config.cache
