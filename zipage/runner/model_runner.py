@@ -87,8 +87,8 @@ class ModelRunner:
         """One prefill of the largest step, before the cache exists, to measure its memory peak."""
         sched = self.config.scheduler
         num_tokens = sched.max_num_batched_tokens
-        num_seqs = min(sched.max_num_seqs, max(1, num_tokens // sched.max_model_len))
-        lens = [num_tokens // num_seqs] * num_seqs
+        num_seqs = min(sched.max_num_seqs, -(-num_tokens // sched.max_model_len))
+        lens = [min(sched.max_model_len, num_tokens // num_seqs)] * num_seqs  # positions stay in range
         cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0, device=self.device),
