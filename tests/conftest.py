@@ -71,6 +71,8 @@ def make_llm(model_dir: str, **kwargs):
     from zipage import LLM
     kwargs.setdefault("device", TEST_DEVICE)
     kwargs.setdefault("dtype", "float32")
+    if TEST_DEVICE != "cpu":  # many engines share one GPU in a test session
+        kwargs.setdefault("kv_cache_memory_bytes", 1 << 28)
     return LLM(model_dir, **kwargs)
 
 

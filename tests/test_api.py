@@ -178,7 +178,8 @@ def test_half_precision_runs(checkpoint_dir, dtype):
 
 def test_cli_generate(checkpoint_dir, capsys):
     code = cli_main(["generate", "--model", checkpoint_dir("qwen3"), "--prompt", "hello", "--prompt", "world",
-                     "--max-tokens", "5", "--ignore-eos", "--json", "--block-size", "16"])
+                     "--max-tokens", "5", "--ignore-eos", "--json", "--block-size", "16",
+                     "--kv-cache-memory-bytes", str(1 << 28), "--max-num-seqs", "8"])
     assert code == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [len(line["token_ids"]) for line in lines] == [5, 5]
