@@ -58,8 +58,10 @@ def test_prefix_cache_hits_keep_outputs(checkpoint_dir, hf_greedy):
     vocab = llm.engine.vocab_size
     shared = _prompts(2, vocab, [48])[0]  # three full blocks
     prompts = [shared + tail for tail in _prompts(3, vocab, [1, 7, 16, 30])] + [shared[:32]]
-    _check_against_hf(llm, model_dir, prompts[:1], hf_greedy)  # fills the cache
     bm = llm.engine.block_manager
+    # Cold cache: requests admitted in one step share the blocks the first one computes.
+    _check_against_hf(llm, model_dir, prompts[:3], hf_greedy)
+    assert bm.prefix_hit_tokens == 2 * 48
     hits_before = bm.prefix_hit_tokens
     outputs = _check_against_hf(llm, model_dir, prompts, hf_greedy)
     assert bm.prefix_hit_tokens - hits_before >= 4 * 48 + 16  # every shared full block was a hit

@@ -104,20 +104,24 @@ class FakeEngine:
     def _write(self, seq: Sequence, position: int) -> None:
         bs = self.bm.block_size
         block = seq.block_table[position // bs]
-        assert self.bm.ref_counts[block] == 1, f"{seq} writes into shared block {block}"
-        assert self.bm.block_hash[block] is None, f"{seq} writes into registered block {block}"
+        # A prefix hit is never recomputed; blocks computed this step may already be shared
+        # with requests admitted beside this one (``_check_kv`` proves what they read).
+        assert position >= seq.num_prefix_hit_tokens, f"{seq} recomputes cached position {position}"
         if position % bs == 0:
             self.slots[block] = [None] * bs
         self.slots[block][position % bs] = seq.token_ids[position]
 
     def _run(self, batch) -> None:
+        # As in a forward: every layer stores the whole step's KV before attention reads it.
         for seq in batch.seqs:
             if batch.is_prefill:
-                self._check_kv(seq, seq.num_prefix_hit_tokens)  # the prefix cache served real content
                 for pos in range(seq.num_prefix_hit_tokens, seq.num_tokens):
                     self._write(seq, pos)
             else:
                 self._write(seq, seq.kv_len)
+        if batch.is_prefill:
+            for seq in batch.seqs:
+                self._check_kv(seq, seq.num_tokens)  # the prefix cache served real content
 
     # -- checks -------------------------------------------------------------
     def _check_kv(self, seq: Sequence, upto: int) -> None:

@@ -2,8 +2,9 @@
 
 Full blocks are identified by a chained hash of their token ids (each block's
 hash covers every token before it too), so equal hashes mean equal prefixes. A
-freed block keeps its hash and contents until the pool hands it out again; a
-later request with the same prefix takes it back without recomputing it.
+block is cached as soon as the step that computes it is scheduled. A freed block
+keeps its hash and contents until the pool hands it out again; a later request
+with the same prefix takes it back without recomputing it.
 """
 
 from __future__ import annotations
@@ -74,11 +75,11 @@ class BlockManager:
         return len(self._cached_prefix(seq)) * self.block_size
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """Enter the request's newly filled blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
-        num_full = seq.kv_len // self.block_size
-        if num_full <= seq.num_registered_blocks:
+        """Enter the blocks that decoding has filled in the prefix cache."""
+        self._register(seq, seq.kv_len // self.block_size)
+
+    def _register(self, seq: Sequence, num_full: int) -> None:
+        if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
             return
         hashes = self._block_hashes(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
@@ -120,6 +121,9 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         seq.num_prefix_hit_tokens = len(cached) * self.block_size
         seq.num_registered_blocks = len(cached)
+        # The full blocks this prefill computes are cached now, so that requests admitted in
+        # the same step share them: every layer stores the step's KV before attention reads it.
+        self._register(seq, seq.num_tokens // self.block_size)
         self.prefix_hit_tokens += seq.num_prefix_hit_tokens
         self.prefix_query_tokens += seq.num_tokens
 
