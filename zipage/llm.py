@@ -72,7 +72,7 @@ class LLM:
                                                       **(chat_template_kwargs or {}))
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         outputs = self.generate(prompts, sampling_params, use_tqdm)
-        for out, conversation in zip(outputs, conversations):
+        for out in outputs:
             out.prompt = self.tokenizer.decode(out.prompt_token_ids)
         return outputs
 
