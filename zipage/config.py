@@ -8,7 +8,7 @@ checked when the dataclass is built; an error names the field and the range.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -78,6 +78,75 @@ class SchedulerConfig:
                f"{self.max_model_len} (a prompt is prefilled in one step)")
 
 
+REDUNDANCY_MODES = ("lightning", "raw", "off")
+
+
+@dataclass
+class CompressionConfig:
+    """Compressed PagedAttention: a fixed KV budget per request (published defaults).
+
+    A decoding request holds at most ``max_blocks_per_seq`` (N) blocks: N-1 of kept
+    tokens plus one working block. Give either N or ``kv_budget_tokens`` (k, a
+    multiple of the block size; N = k / block_size + 1).
+    """
+
+    kv_budget_tokens: int | None = 2048  # k: tokens kept per layer and KV head
+    max_blocks_per_seq: int | None = None  # N; overrides kv_budget_tokens when given
+    window: int = 16  # w: observation window (queries of the last w tokens)
+    attention_weight: float = 0.2  # lambda: weight of attention against redundancy
+    redundancy: str = "lightning"  # "lightning" (within blocks), "raw" (all pairs) or "off"
+    redundancy_temperature: float = 0.4  # tau
+    similarity_threshold: float = 0.5  # theta: cosine above which keys count as copies
+    global_score_decay: float | None = 0.8  # gamma; None turns the history score off
+    pooling_width: int | None = 5  # p, odd; None turns pooling off
+    pool_every_compression: bool = False  # published: pool only at a request's first compression
+    attention_sink: int = 0  # leading tokens always kept
+    layer_group: int = 8  # layers scored and compacted together
+    max_blocks_per_compression: int = 600  # caps one compression batch (scratch memory)
+
+    def __post_init__(self):
+        _check(self.kv_budget_tokens is not None or self.max_blocks_per_seq is not None,
+               "give kv_budget_tokens or max_blocks_per_seq")
+        _check(self.kv_budget_tokens is None or (_is_int(self.kv_budget_tokens) and self.kv_budget_tokens >= 1),
+               f"kv_budget_tokens must be a positive integer, got {self.kv_budget_tokens!r}")
+        _check(self.max_blocks_per_seq is None or (_is_int(self.max_blocks_per_seq) and self.max_blocks_per_seq >= 2),
+               f"max_blocks_per_seq must be an integer >= 2 (one kept block and one working block), "
+               f"got {self.max_blocks_per_seq!r}")
+        _check(_is_int(self.window) and self.window >= 1, f"window must be an integer >= 1, got {self.window!r}")
+        _check(isinstance(self.attention_weight, (int, float)) and 0.0 <= self.attention_weight <= 1.0,
+               f"attention_weight must be in [0, 1], got {self.attention_weight!r}")
+        _check(self.redundancy in REDUNDANCY_MODES,
+               f"redundancy must be one of {REDUNDANCY_MODES}, got {self.redundancy!r}")
+        _check(isinstance(self.redundancy_temperature, (int, float)) and self.redundancy_temperature > 0,
+               f"redundancy_temperature must be > 0, got {self.redundancy_temperature!r}")
+        _check(isinstance(self.similarity_threshold, (int, float)) and -1.0 <= self.similarity_threshold <= 1.0,
+               f"similarity_threshold must be in [-1, 1], got {self.similarity_threshold!r}")
+        _check(self.global_score_decay is None
+               or (isinstance(self.global_score_decay, (int, float)) and 0.0 <= self.global_score_decay <= 1.0),
+               f"global_score_decay must be in [0, 1] or None, got {self.global_score_decay!r}")
+        _check(self.pooling_width is None
+               or (_is_int(self.pooling_width) and self.pooling_width >= 1 and self.pooling_width % 2 == 1),
+               f"pooling_width must be an odd integer >= 1 or None, got {self.pooling_width!r}")
+        _check(_is_int(self.attention_sink) and self.attention_sink >= 0,
+               f"attention_sink must be an integer >= 0, got {self.attention_sink!r}")
+        _check(_is_int(self.layer_group) and self.layer_group >= 1,
+               f"layer_group must be an integer >= 1, got {self.layer_group!r}")
+        _check(_is_int(self.max_blocks_per_compression) and self.max_blocks_per_compression >= 1,
+               f"max_blocks_per_compression must be a positive integer, got {self.max_blocks_per_compression!r}")
+
+    def resolve(self, block_size: int) -> None:
+        """Fix N and k for the cache's block size and check what depends on it."""
+        if self.max_blocks_per_seq is None:
+            _check(self.kv_budget_tokens % block_size == 0,
+                   f"kv_budget_tokens={self.kv_budget_tokens} must be a multiple of block_size={block_size}")
+            self.max_blocks_per_seq = self.kv_budget_tokens // block_size + 1
+        self.kv_budget_tokens = (self.max_blocks_per_seq - 1) * block_size
+        _check(self.window <= block_size, f"window={self.window} must be <= block_size={block_size}")
+        _check(self.window + self.attention_sink <= self.kv_budget_tokens,
+               f"window + attention_sink = {self.window + self.attention_sink} must fit the budget of "
+               f"{self.kv_budget_tokens} kept tokens")
+
+
 @dataclass
 class EngineConfig:
     """Everything ``LLM(...)`` was asked for."""
@@ -91,6 +160,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compression: CompressionConfig | None = None  # None: full KV
 
     def __post_init__(self):
         self.model = os.fspath(self.model)
@@ -104,6 +174,11 @@ class EngineConfig:
                f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(self.attention_backend in ("auto", "torch", "triton"),
                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        _check(self.compression is None or isinstance(self.compression, CompressionConfig),
+               f"compression must be a CompressionConfig or None, got {type(self.compression).__name__}")
+        if self.compression is not None:  # a copy: the caller's object may serve other engines
+            self.compression = replace(self.compression)
+            self.compression.resolve(self.cache.block_size)
 
     @property
     def is_cuda(self) -> bool:
@@ -113,7 +188,7 @@ class EngineConfig:
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments; an unknown keyword is a ``ValueError``."""
         groups = {"cache": CacheConfig, "scheduler": SchedulerConfig}
-        own = {f.name for f in fields(cls)} - set(groups)
+        own = {f.name for f in fields(cls)} - set(groups)  # includes "compression", passed whole
         parts: dict[str, dict] = {name: {} for name in groups}
         top: dict = {}
         for key, value in kwargs.items():
