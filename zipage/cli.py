@@ -21,10 +21,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    c = parser.add_argument_group("compression (off unless --kv-budget-tokens is given)")
+    c.add_argument("--kv-budget-tokens", type=int, default=None,
+                   help="compress: keep this many tokens per layer and KV head (multiple of --block-size)")
+    c.add_argument("--compression-window", type=int, default=16)
+    c.add_argument("--redundancy", default="lightning", choices=["lightning", "raw", "off"])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
+    from zipage.config import CompressionConfig
+    compression = None
+    if args.kv_budget_tokens is not None:
+        compression = CompressionConfig(kv_budget_tokens=args.kv_budget_tokens, window=args.compression_window,
+                                        redundancy=args.redundancy)
+    return dict(compression=compression, device=args.device, dtype=args.dtype, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

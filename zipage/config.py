@@ -174,8 +174,11 @@ class EngineConfig:
                f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(self.attention_backend in ("auto", "torch", "triton"),
                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        if isinstance(self.compression, dict):
+            self.compression = CompressionConfig(**self.compression)
         _check(self.compression is None or isinstance(self.compression, CompressionConfig),
-               f"compression must be a CompressionConfig or None, got {type(self.compression).__name__}")
+               f"compression must be a CompressionConfig, a dict of its fields or None, "
+               f"got {type(self.compression).__name__}")
         if self.compression is not None:  # a copy: the caller's object may serve other engines
             self.compression = replace(self.compression)
             self.compression.resolve(self.cache.block_size)

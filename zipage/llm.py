@@ -6,7 +6,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from zipage.config import EngineConfig
+from zipage.config import CompressionConfig, EngineConfig
 from zipage.engine.llm_engine import LLMEngine
 from zipage.outputs import RequestOutput
 from zipage.sampling_params import SamplingParams
@@ -25,13 +25,13 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
-                 **kwargs):
+                 compression: CompressionConfig | dict | None = None, **kwargs):
         self.config = EngineConfig.from_kwargs(
             model, device=device, dtype=dtype, block_size=block_size,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager, seed=seed, **kwargs)
+            enforce_eager=enforce_eager, seed=seed, compression=compression, **kwargs)
         self.engine = LLMEngine(self.config)
 
     @property

@@ -15,6 +15,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
+    num_compressions: int = 0
+    peak_blocks: int = 0  # most KV blocks held at once while decoding
+    evicted_tokens: int = 0  # per layer and KV head, over all compressions
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -26,6 +26,7 @@ class AttentionMetadata:
     max_seqlen_q: int = 1
     max_seqlen_k: int = 0
     has_cached_prefix: bool = False  # some prefill sequence reads KV it did not compute this step
+    query_slots: torch.Tensor | None = None  # [num_tokens] query-cache row of each token (compression)
 
 
 _current: AttentionMetadata | None = None

@@ -27,12 +27,16 @@ def chain_hash(previous: int | None, token_ids) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 min_recomputed_tokens: int = 1):
         if num_blocks < 1:
             raise ValueError(f"the KV cache must hold at least one block, got num_blocks={num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # A prefill always computes at least this many trailing tokens: the last one for its
+        # logits, with compression the whole observation window for its queries.
+        self.min_recomputed_tokens = min_recomputed_tokens
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
@@ -57,13 +61,14 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding a leading run of ``seq``'s full blocks.
 
-        The last token is always recomputed (its logits are needed), so a fully
-        cached prompt still leaves its last block to compute.
+        The last ``min_recomputed_tokens`` tokens are always recomputed (the last
+        one's logits are needed), so a fully cached prompt still leaves its last
+        block to compute.
         """
         if not self.enable_prefix_caching:
             return []
         blocks = []
-        for h in self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
+        for h in self._block_hashes(seq, max(0, seq.num_tokens - self.min_recomputed_tokens) // self.block_size):
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
@@ -79,7 +84,8 @@ class BlockManager:
         self._register(seq, seq.kv_len // self.block_size)
 
     def _register(self, seq: Sequence, num_full: int) -> None:
-        if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
+        if (not self.enable_prefix_caching or not seq.kv_is_token_prefix
+                or num_full <= seq.num_registered_blocks):
             return
         hashes = self._block_hashes(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
@@ -111,6 +117,7 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks."""
         assert len(seq.block_table) == 0, f"{seq} already holds blocks"
+        seq.kv_is_token_prefix = True
         cached = self._cached_prefix(seq)
         for block_id in cached:
             if self.ref_counts[block_id] == 0:
@@ -150,3 +157,43 @@ class BlockManager:
         """Make room in ``seq``'s block table for its next token."""
         if self.needs_block(seq):
             seq.block_table.append(self._take_free_block())
+
+    # -- compaction (compression) -----------------------------------------
+    def _fresh_targets_needed(self, seq: Sequence, num_targets: int) -> int:
+        return sum(1 for b in seq.block_table.array()[:num_targets].tolist() if self.ref_counts[b] > 1)
+
+    def can_compact(self, seq: Sequence, num_targets: int) -> bool:
+        """Whether the pool has fresh blocks for every shared block among the targets."""
+        return self._fresh_targets_needed(seq, num_targets) <= self.num_free_blocks
+
+    def compact(self, seq: Sequence, num_targets: int) -> tuple[list[int], list[int]]:
+        """Give ``seq`` ``num_targets`` blocks to compact its kept tokens into.
+
+        A shared leading block is never written: it is swapped for a fresh block and
+        the request drops its reference, so others keep reading it. Private blocks are
+        reused in place (their prefix-cache entry is dropped, their contents change);
+        the rest are released. Returns (source blocks, target blocks); the compaction
+        must read the sources before anything writes the released blocks (it runs
+        before the step's forward).
+        """
+        sources = seq.block_table.array().tolist()
+        targets = []
+        for block_id in sources[:num_targets]:
+            if self.ref_counts[block_id] > 1:
+                targets.append(self._take_free_block())
+            else:
+                stale = self.block_hash[block_id]
+                if stale is not None:
+                    del self.hash_to_block[stale]
+                    self.block_hash[block_id] = None
+                targets.append(block_id)
+        kept = set(targets)
+        for block_id in sources:
+            if block_id not in kept:
+                self.ref_counts[block_id] -= 1
+                if self.ref_counts[block_id] == 0:
+                    self.free_blocks[block_id] = None
+        seq.block_table.replace(targets)
+        seq.kv_is_token_prefix = False
+        seq.num_registered_blocks = 0
+        return sources, targets

@@ -9,7 +9,7 @@ import itertools
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zipage.config import EngineConfig
 from zipage.engine.block_manager import BlockManager
@@ -29,7 +29,22 @@ class StepStats:
     num_seqs: int
     num_tokens: int  # tokens computed this step
     num_preempted: int
+    num_compressed: int = 0
+    num_running: int = 0  # running requests once the step was scheduled
+    compression_s: float = 0.0  # wall time of this step's (synchronous) compression
     host_s: float = 0.0  # CPU time of the step outside the model and sampler (scheduling, inputs, outputs)
+
+
+@dataclass
+class EngineStats:
+    """Engine-wide numbers since the engine started."""
+
+    num_steps: int = 0
+    peak_running: int = 0
+    num_compressions: int = 0
+    compression_s: float = 0.0
+    # one entry per step: (seconds since start, blocks in use, running requests)
+    occupancy: list = field(default_factory=list)
 
 
 class LLMEngine:
@@ -47,9 +62,12 @@ class LLMEngine:
         if config.scheduler.max_model_len > capacity:
             raise ValueError(f"max_model_len={config.scheduler.max_model_len} does not fit the KV cache "
                              f"({capacity} tokens); lower max_model_len or give the cache more memory")
-        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            min_recomputed_tokens=config.compression.window if config.compression else 1)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.compression)
+        self.stats = EngineStats()
+        self._start_time = time.perf_counter()
         self.eos_token_ids = self._eos_token_ids()
         self._seed_rng = random.Random(config.seed)
         self._request_counter = itertools.count()
@@ -135,8 +153,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return [], None
-        stats = StepStats(batch.is_prefill, len(batch.seqs), batch.num_tokens, len(batch.preempted))
+        stats = StepStats(batch.is_prefill, len(batch.seqs), batch.num_tokens, len(batch.preempted),
+                          num_compressed=len(batch.compressions), num_running=len(self.scheduler.running))
         scheduled = time.perf_counter()
+        if batch.compressions:
+            self.runner.compress(batch.compressions)
+            stats.compression_s = time.perf_counter() - scheduled
         token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids)
         finished = []
         now = time.perf_counter()
@@ -147,6 +169,7 @@ class LLMEngine:
                     seq.metrics.num_cached_prompt_tokens = seq.num_prefix_hit_tokens
             else:
                 seq.kv_len += 1
+                seq.metrics.peak_blocks = max(seq.metrics.peak_blocks, len(seq.block_table))
             self.block_manager.register_full_blocks(seq)
             seq.token_ids.append(token_id)
             if seq.metrics.first_token_time is None:
@@ -156,7 +179,17 @@ class LLMEngine:
                 self.scheduler.finish(seq, *reason)
                 finished.append(self._output(seq))
         stats.host_s = scheduled - start + self.runner.last_prepare_s + time.perf_counter() - now
+        self._record(stats)
         return finished, stats
+
+    def _record(self, step: StepStats) -> None:
+        es, bm = self.stats, self.block_manager
+        es.num_steps += 1
+        es.num_compressions += step.num_compressed
+        es.compression_s += step.compression_s
+        es.peak_running = max(es.peak_running, step.num_running)
+        es.occupancy.append((time.perf_counter() - self._start_time, bm.num_blocks - bm.num_free_blocks,
+                             step.num_running))
 
     def _stop_reason(self, seq: Sequence, token_id: int):
         """``(finish_reason, stop_reason)`` if ``seq`` is done after ``token_id``, else None."""

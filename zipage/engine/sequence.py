@@ -39,6 +39,10 @@ class Sequence:
         self.num_registered_blocks = 0  # leading blocks entered in the prefix cache
         self.kv_len = 0
         self.num_prefix_hit_tokens = 0  # of the current prefill, served from the prefix cache
+        self.kv_is_token_prefix = True  # False once compaction reorders the cache: no prefix caching
+        # compression state
+        self.query_slot: int | None = None  # row of the query cache saving its window queries
+        self.num_scored_tokens = 0  # leading cached tokens carrying a history score
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())

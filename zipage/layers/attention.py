@@ -17,6 +17,7 @@ class Attention(nn.Module):
         self.scale = scale
         # Bound by the model runner once the cache is allocated.
         self.k_cache = self.v_cache = torch.empty(0)
+        self.query_cache: torch.Tensor | None = None  # [slots * window + 1, heads, dim] with compression
         self.backend = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -25,6 +26,8 @@ class Attention(nn.Module):
         if self.k_cache.numel() == 0:  # memory profiling run, before the cache exists
             return dense_causal_attention(q, k, v, meta.cu_seqlens_q.tolist(), self.scale)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.query_slots is not None:  # observation window for compression
+            self.query_cache.index_copy_(0, meta.query_slots, q)
         if meta.is_prefill:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)

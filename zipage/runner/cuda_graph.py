@@ -21,8 +21,10 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 no_query_row: int | None = None):
         self.model = model
+        self.no_query_row = no_query_row  # compression: padding rows write their query here
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         n = max_num_seqs
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -30,13 +32,17 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_slots = None
+        if no_query_row is not None:
+            self.query_slots = torch.full((n,), no_query_row, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
                                  context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
-                                 max_seqlen_k=self.block_tables.shape[1])
+                                 max_seqlen_k=self.block_tables.shape[1],
+                                 query_slots=None if self.query_slots is None else self.query_slots[:bs])
 
     def _forward(self, bs: int) -> torch.Tensor:
         with attention_metadata(self._metadata(bs)):
@@ -69,5 +75,8 @@ class DecodeGraphs:
         self.context_lens[:b].copy_(meta.context_lens)
         self.context_lens[b:bs].zero_()
         self.block_tables[:b, :width].copy_(meta.block_tables)
+        if self.query_slots is not None:
+            self.query_slots[:b].copy_(meta.query_slots)
+            self.query_slots[b:bs].fill_(self.no_query_row)
         self.graphs[bs].replay()
         return self.logits[bs][:b]

@@ -42,9 +42,12 @@ class HostBuffer:
 
 class InputBuilder:
     def __init__(self, device: torch.device, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_blocks_per_seq: int):
+                 max_num_batched_tokens: int, max_blocks_per_seq: int, window: int | None = None):
         self.device, self.block_size = device, block_size
+        self.window = window  # compression: each request saves the queries of its last `window` tokens
+        self.no_query_row = max_num_seqs * window if window else -1  # the query cache's spare row
         tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.query_slots = HostBuffer((tokens,), torch.int64, device)
         self.input_ids = HostBuffer((tokens,), torch.int64, device)
         self.positions = HostBuffer((tokens,), torch.int64, device)
         self.slot_mapping = HostBuffer((tokens,), torch.int64, device)
@@ -73,6 +76,11 @@ class InputBuilder:
             self.positions.np[n:n + q_len] = pos
             self.slot_mapping.np[n:n + q_len] = table[i, pos // bs].astype(np.int64) * bs + pos % bs
             self.context_lens.np[i] = end
+            if self.window:
+                rows = self.query_slots.np[n:n + q_len]
+                rows[:] = self.no_query_row
+                tail = pos >= end - self.window
+                rows[tail] = seq.query_slot * self.window + pos[tail] % self.window
             n += q_len
             cu[i + 1] = n
             max_q = max(max_q, q_len)
@@ -83,7 +91,8 @@ class InputBuilder:
             is_prefill=True, slot_mapping=self.slot_mapping.to_device(n),
             context_lens=self.context_lens.to_device(b), block_tables=self.block_tables.to_device(b, width),
             cu_seqlens_q=cu_q, max_seqlen_q=max_q,
-            max_seqlen_k=max(s.num_tokens for s in seqs), has_cached_prefix=cached)
+            max_seqlen_k=max(s.num_tokens for s in seqs), has_cached_prefix=cached,
+            query_slots=self.query_slots.to_device(n) if self.window else None)
         return ModelInputs(self.input_ids.to_device(n), self.positions.to_device(n), meta,
                            logits_indices=(cu_q[1:] - 1).long(), num_seqs=b)
 
@@ -96,10 +105,15 @@ class InputBuilder:
         self.positions.np[:b] = [s.num_tokens - 1 for s in seqs]
         self.slot_mapping.np[:b] = table[np.arange(b), kv_lens // bs].astype(np.int64) * bs + kv_lens % bs
         self.context_lens.np[:b] = kv_lens + 1
+        query_slots = None
+        if self.window:
+            w = self.window
+            self.query_slots.np[:b] = [s.query_slot * w + (s.num_tokens - 1) % w for s in seqs]
+            query_slots = self.query_slots.to_device(b)
         meta = AttentionMetadata(
             is_prefill=False, slot_mapping=self.slot_mapping.to_device(b),
             context_lens=self.context_lens.to_device(b), block_tables=self.block_tables.to_device(b, width),
-            max_seqlen_k=int(kv_lens.max()) + 1)
+            max_seqlen_k=int(kv_lens.max()) + 1, query_slots=query_slots)
         return ModelInputs(self.input_ids.to_device(b), self.positions.to_device(b), meta,
                            logits_indices=None, num_seqs=b)
 

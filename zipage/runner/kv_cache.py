@@ -11,8 +11,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
-def bytes_per_block(spec, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+def bytes_per_block(spec, block_size: int, dtype: torch.dtype, with_scores: bool = False) -> int:
+    """Keys and values of one block in every layer (plus its float32 history scores)."""
+    kv = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    return kv + (spec.num_layers * block_size * spec.num_kv_heads * 4 if with_scores else 0)
 
 
 def gpu_kv_budget(device: torch.device, utilization: float) -> int:
@@ -24,9 +26,9 @@ def gpu_kv_budget(device: torch.device, utilization: float) -> int:
 
 
 def num_kv_blocks(spec, cache_config, dtype: torch.dtype, device: torch.device,
-                  needed_blocks: int) -> int:
+                  needed_blocks: int, with_scores: bool = False) -> int:
     """How many blocks the cache gets: an explicit budget, the GPU's free memory, or 1 GiB on CPU."""
-    per_block = bytes_per_block(spec, cache_config.block_size, dtype)
+    per_block = bytes_per_block(spec, cache_config.block_size, dtype, with_scores)
     if cache_config.kv_cache_memory_bytes is not None:
         budget = cache_config.kv_cache_memory_bytes
     elif device.type == "cuda":
@@ -42,6 +44,27 @@ def num_kv_blocks(spec, cache_config, dtype: torch.dtype, device: torch.device,
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, cache_config.block_size,
                 blocks * per_block / 2**30)
     return int(blocks)
+
+
+def allocate_query_cache(model, num_slots: int, window: int, dtype, device) -> torch.Tensor:
+    """Window queries for compression: [layers, slots * window + 1, heads, head_dim].
+
+    Slot s keeps the queries of its request's last ``window`` tokens, the token at
+    position p in row s * window + p % window; the last row absorbs the writes of
+    tokens that save no query (so the write needs no branch and suits CUDA graphs).
+    """
+    spec = model.spec
+    queries = torch.zeros(spec.num_layers, num_slots * window + 1, spec.num_heads, spec.head_dim,
+                          dtype=dtype, device=device)
+    for i, layer in enumerate(model.attention_layers()):
+        layer.query_cache = queries[i]
+    return queries
+
+
+def allocate_score_cache(spec, num_blocks: int, block_size: int, device) -> torch.Tensor:
+    """History scores of cached tokens: [layers, blocks, block_size, kv_heads] float32."""
+    return torch.zeros(spec.num_layers, num_blocks, block_size, spec.num_kv_heads,
+                       dtype=torch.float32, device=device)
 
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) -> torch.Tensor:

@@ -20,7 +20,9 @@ from zipage.layers.sampler import Sampler
 from zipage.models.registry import build_model
 from zipage.runner.cuda_graph import DecodeGraphs
 from zipage.runner.inputs import InputBuilder, sampling_tensors
-from zipage.runner.kv_cache import allocate_kv_cache, num_kv_blocks
+from zipage.compression.executor import Compressor
+from zipage.runner.kv_cache import (allocate_kv_cache, allocate_query_cache, allocate_score_cache,
+                                     num_kv_blocks)
 from zipage.utils.loader import init_dummy_weights, load_weights
 
 logger = logging.getLogger(__name__)
@@ -69,17 +71,31 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.backend = self.backend
         self.sampler = Sampler()
+        compression = config.compression
+        window = compression.window if compression else None
         self.inputs = InputBuilder(self.device, self.block_size, sched.max_num_seqs,
-                                   sched.max_num_batched_tokens, self.max_blocks_per_seq)
+                                   sched.max_num_batched_tokens, self.max_blocks_per_seq, window)
         if self.device.type == "cuda":
             self._profile_peak_activation()
+        with_scores = compression is not None and compression.global_score_decay is not None
+        if compression is not None:  # the query cache comes first: the KV cache gets what is left
+            self.query_cache = allocate_query_cache(self.model, sched.max_num_seqs, window, self.dtype,
+                                                    self.device)
         needed = sched.max_num_seqs * self.max_blocks_per_seq
-        self.num_blocks = num_kv_blocks(self.spec, cache, self.dtype, self.device, needed)
+        self.num_blocks = num_kv_blocks(self.spec, cache, self.dtype, self.device, needed, with_scores)
         self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.compressor = None
+        if compression is not None:
+            score_cache = None
+            if with_scores:
+                score_cache = allocate_score_cache(self.spec, self.num_blocks, self.block_size, self.device)
+            self.compressor = Compressor(compression, self.kv_cache, score_cache, self.query_cache,
+                                         self.spec.head_dim ** -0.5, self.block_size)
         self.last_prepare_s = 0.0  # host time of the last step's input preparation
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, sched.max_num_seqs, self.max_blocks_per_seq, self.device)
+            self.graphs = DecodeGraphs(self.model, sched.max_num_seqs, self.max_blocks_per_seq, self.device,
+                                       self.inputs.no_query_row if compression else None)
             self.graphs.capture()
 
     @torch.inference_mode()
@@ -103,6 +119,10 @@ class ModelRunner:
         self.model.compute_logits(hidden[cu[1:].long() - 1])
         torch.cuda.synchronize(self.device)
         del hidden
+
+    def compress(self, tasks) -> None:
+        """Compact the planned requests' caches (before this step's forward writes anything)."""
+        self.compressor.run(tasks)
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int]) -> list[int]:

@@ -1,0 +1,1 @@
+"""Compressed PagedAttention: token scoring and selection for KV-cache eviction."""

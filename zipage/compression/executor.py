@@ -1,0 +1,102 @@
+"""Run planned compressions on the runner's caches, one layer group at a time.
+
+For each group of layers: gather the window queries from the query cache, score
+every cached token (attention over the window, history, pooling, redundancy),
+pick the kept tokens per layer and KV head, and compact keys, values and history
+scores into the target blocks. On CUDA the hot parts are Triton kernels; on the
+CPU their PyTorch twins, which call the pure functions of ``policy.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zipage.compression import policy
+from zipage.compression.planner import CompressionTask
+from zipage.config import CompressionConfig
+
+
+class Compressor:
+    def __init__(self, config: CompressionConfig, kv_cache: torch.Tensor, score_cache: torch.Tensor | None,
+                 query_cache: torch.Tensor, scale: float, block_size: int):
+        self.config = config
+        self.kv_cache = kv_cache  # [2, layers, blocks, block_size, kv_heads, head_dim]
+        self.score_cache = score_cache  # [layers, blocks, block_size, kv_heads] float32, or None
+        self.query_cache = query_cache  # [layers, slots * window + 1, heads, head_dim]
+        self.scale = scale
+        self.block_size = block_size
+        self.num_layers = kv_cache.shape[1]
+        on_gpu = kv_cache.is_cuda
+        from zipage.kernels import compact_kv, compress_scores
+        self._attention = (compress_scores.paged_attention_scores if on_gpu
+                           else compress_scores.paged_attention_scores_torch)
+        self._redundancy = (compress_scores.paged_redundancy_sums if on_gpu
+                            else compress_scores.paged_redundancy_sums_torch)
+        self._compact = compact_kv.compact_kv if on_gpu else compact_kv.compact_kv_torch
+        self._gather_keys = compress_scores.gather_keys
+
+    def batches(self, tasks: list[CompressionTask]) -> list[list[CompressionTask]]:
+        """Split tasks so that no batch reads more than ``max_blocks_per_compression`` blocks."""
+        batches, current, blocks = [], [], 0
+        for task in tasks:
+            n = len(task.source_blocks)
+            if current and blocks + n > self.config.max_blocks_per_compression:
+                batches.append(current)
+                current, blocks = [], 0
+            current.append(task)
+            blocks += n
+        return batches + ([current] if current else [])
+
+    @torch.inference_mode()
+    def run(self, tasks: list[CompressionTask]) -> None:
+        for batch in self.batches(tasks):
+            self._run_batch(batch)
+
+    def _run_batch(self, tasks: list[CompressionTask]) -> None:
+        cfg, bs, device = self.config, self.block_size, self.kv_cache.device
+        window = cfg.window
+        keep = tasks[0].keep
+        width = max(len(t.source_blocks) for t in tasks)
+        n_max = width * bs
+        sources = torch.zeros(len(tasks), width, dtype=torch.int32)
+        for i, t in enumerate(tasks):
+            sources[i, :len(t.source_blocks)] = torch.tensor(t.source_blocks, dtype=torch.int32)
+        sources = sources.to(device)
+        targets = torch.tensor([t.target_blocks for t in tasks], dtype=torch.int32, device=device)
+        lengths = torch.tensor([t.num_tokens for t in tasks], dtype=torch.int64, device=device)
+        num_previous = torch.tensor([t.num_previous for t in tasks], dtype=torch.int64, device=device)
+        pool = torch.tensor([t.pool for t in tasks], dtype=torch.bool, device=device)
+        # Window rows, oldest first: the query of absolute position p sits in ring row p % window.
+        rows = torch.tensor([[t.seq.query_slot * window + (t.last_position - window + 1 + i) % window
+                              for i in range(window)] for t in tasks], dtype=torch.int64, device=device)
+        use_history = cfg.global_score_decay is not None and bool((num_previous > 0).any())
+
+        for first in range(0, self.num_layers, cfg.layer_group):
+            layers = slice(first, min(first + cfg.layer_group, self.num_layers))
+            kv_group = self.kv_cache[:, layers]
+            queries = self.query_cache[layers][:, rows].transpose(0, 1).contiguous()  # [R, L, w, Hq, d]
+            attention = self._attention(queries, kv_group[0], sources, lengths, self.scale, n_max)
+            previous = None
+            if use_history:
+                previous = self._gather_keys(self.score_cache[layers].unsqueeze(-1), sources, num_previous,
+                                             n_max).squeeze(-1)
+            history = policy.update_global_scores(attention, previous, num_previous,
+                                                  cfg.global_score_decay if use_history else None)
+            scores = history
+            if cfg.pooling_width is not None and bool(pool.any()):
+                pooled = policy.max_pool(history, lengths, cfg.pooling_width)
+                scores = torch.where(pool[:, None, None, None], pooled, history)
+            redundancy = None
+            if cfg.redundancy == "lightning":
+                rsum = self._redundancy(kv_group[0], sources, lengths, cfg.similarity_threshold, n_max)
+                redundancy = policy.normalise_redundancy(rsum, lengths, cfg.redundancy_temperature, bs)
+            elif cfg.redundancy == "raw":
+                keys = self._gather_keys(kv_group[0], sources, lengths, n_max)
+                redundancy = policy.redundancy_scores(keys, lengths, cfg.similarity_threshold,
+                                                      cfg.redundancy_temperature)
+            scores = policy.combine_scores(scores, redundancy, cfg.attention_weight)
+            scores = policy.protect(scores, lengths, window, cfg.attention_sink)
+            kept = policy.select_kept(scores, keep)
+            new_scores = history.gather(-1, kept) if self.score_cache is not None else None
+            score_group = self.score_cache[layers] if self.score_cache is not None else None
+            self._compact(kv_group, score_group, kept, new_scores, sources, targets)

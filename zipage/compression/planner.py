@@ -1,0 +1,53 @@
+"""Which requests compress this step, and into which blocks.
+
+A decoding request may hold at most N blocks. When it holds N and its last
+block is full (or more than N, after a long prompt), its next token has nowhere
+to go: it is compressed first, keeping k = (N-1) * block_size tokens per layer
+and KV head in N-1 target blocks, and then decodes into a fresh working block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zipage.config import CompressionConfig
+from zipage.engine.block_manager import BlockManager
+from zipage.engine.sequence import Sequence
+
+
+@dataclass
+class CompressionTask:
+    """One request's compaction, as planned by the scheduler and executed by the runner."""
+
+    seq: Sequence
+    source_blocks: list[int]  # block table before compaction
+    target_blocks: list[int]  # N-1 blocks receiving the kept tokens
+    num_tokens: int  # cached tokens before compaction (n)
+    keep: int  # cached tokens after (k)
+    num_previous: int  # leading tokens that carry a history score from the last compression
+    last_position: int  # absolute position of the newest cached token (ends the window)
+    pool: bool  # max-pool the score at this compression
+
+
+def needs_compression(seq: Sequence, bm: BlockManager, config: CompressionConfig) -> bool:
+    n_blocks = len(seq.block_table)
+    limit = config.max_blocks_per_seq
+    return n_blocks > limit or (n_blocks == limit and bm.needs_block(seq))
+
+
+def plan_compression(seq: Sequence, bm: BlockManager, config: CompressionConfig) -> CompressionTask:
+    """Take target blocks for ``seq`` and update its bookkeeping to the compacted state."""
+    keep = config.kv_budget_tokens
+    num_tokens = seq.kv_len
+    sources, targets = bm.compact(seq, config.max_blocks_per_seq - 1)
+    task = CompressionTask(
+        seq=seq, source_blocks=sources, target_blocks=targets, num_tokens=num_tokens, keep=keep,
+        num_previous=seq.num_scored_tokens,
+        last_position=seq.num_tokens - 2,  # the newest token (last sampled) is not cached yet
+        pool=config.pooling_width is not None and (seq.metrics.num_compressions == 0
+                                                   or config.pool_every_compression))
+    seq.kv_len = keep
+    seq.num_scored_tokens = keep
+    seq.metrics.num_compressions += 1
+    seq.metrics.evicted_tokens += num_tokens - keep
+    return task
