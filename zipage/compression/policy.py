@@ -197,9 +197,13 @@ def protect(scores: Tensor, lengths: Tensor, window: int, sink: int) -> Tensor:
 
 
 def select_kept(scores: Tensor, keep: int) -> Tensor:
-    """Indices of the ``keep`` largest scores per (request, layer, head), ascending: int64 [R, L, H, keep]."""
-    top = torch.topk(scores, keep, dim=-1, sorted=False).indices
-    return top.sort(dim=-1).values
+    """Indices of the ``keep`` largest scores per (request, layer, head), ascending: int64 [R, L, H, keep].
+
+    Ties go to the older token (a stable sort), so the choice is reproducible on any
+    device; pooling makes exact ties common.
+    """
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :keep]
+    return order.sort(dim=-1).values
 
 
 def score_tokens(queries: Tensor, keys: Tensor, lengths: Tensor, previous: Tensor | None, num_previous: Tensor,

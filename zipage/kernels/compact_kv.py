@@ -1,0 +1,300 @@
+"""Compact the kept tokens of a KV-cache compression into their target blocks.
+
+For every request r, layer l of a layer group and KV head h, the keep tokens chosen
+by the scoring (kept[r, l, h, :], ascending indices into the request's current KV
+order) move to destination positions 0..keep-1: position j lives in block
+target_tables[r, j // b] at offset j % b. Keys, values and, when there is a score
+cache, the tokens' scores move together.
+
+Target blocks may be the request's own source blocks (in-place compaction), so a
+token may be overwritten before it is read. Two launches make that hazard-free:
+phase 1 gathers every kept row into a dense scratch buffer, phase 2 scatters the
+scratch into the targets (the launch boundary is the global barrier). A token
+only ever moves within its own (layer, head) plane of the caches, so the Triton
+version bounds its scratch by running the two phases for a few (layer, head) pairs
+at a time, each time for all requests (one request's target block may be another
+request's released source block).
+"""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton for this platform: only the PyTorch twin is usable
+    triton = None
+
+# Tuning knobs (compiled for sm_90, not yet timed on a GPU): tokens per program (one
+# K and one V row of head_dim elements each) and warps; 32 tokens x 128 dims on 8
+# warps take ~115 registers a thread (64 tokens on 4 warps spill).
+COMPACT_TOKENS_PER_PROGRAM = 32
+COMPACT_NUM_WARPS = 8
+# Upper bound of the K/V scratch buffer (it holds at least one layer x head pair).
+COMPACT_SCRATCH_BYTES = 256 << 20
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_kept_kernel(
+        kv_ptr,
+        score_ptr,
+        kept_ptr,
+        block_tables_ptr,
+        kv_scratch_ptr,
+        score_scratch_ptr,
+        layer_head_begin,
+        plane,
+        num_layers,
+        num_kv_heads,
+        keep,
+        kv_stride_kv,
+        kv_stride_layer,
+        kv_stride_block,
+        kv_stride_slot,
+        kv_stride_head,
+        score_stride_layer,
+        score_stride_block,
+        score_stride_slot,
+        score_stride_head,
+        kept_stride_req,
+        kept_stride_layer,
+        kept_stride_head,
+        kept_stride_token,
+        block_table_stride,
+        PAGE_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        GATHER_SCORES: tl.constexpr,
+    ):
+        """Phase 1, one program per (token tile, layer x head of the chunk, request): kept
+        rows -> scratch [2, R, chunk's layer x heads, keep, HEAD_DIM] (K and V planes
+        `plane` elements apart), their scores -> score scratch [R, L, H, keep]."""
+        tile = tl.program_id(0)
+        local = tl.program_id(1)
+        req = tl.program_id(2)
+        layer_head = layer_head_begin + local
+        layer = layer_head // num_kv_heads
+        kv_head = layer_head % num_kv_heads
+
+        tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        token_mask = tokens < keep
+        kept = tl.load(
+            kept_ptr
+            + req.to(tl.int64) * kept_stride_req
+            + layer * kept_stride_layer
+            + kv_head * kept_stride_head
+            + tokens * kept_stride_token,
+            mask=token_mask,
+            other=0,
+        )
+        pages = tl.load(block_tables_ptr + req.to(tl.int64) * block_table_stride + kept // PAGE_SIZE, mask=token_mask)
+        slots = kept % PAGE_SIZE
+        src = (
+            layer.to(tl.int64) * kv_stride_layer
+            + pages.to(tl.int64) * kv_stride_block
+            + slots * kv_stride_slot
+            + kv_head * kv_stride_head
+        )
+        dims = tl.arange(0, HEAD_DIM)
+        src_offsets = src[:, None] + dims[None, :]
+        keys = tl.load(kv_ptr + src_offsets, mask=token_mask[:, None])
+        values = tl.load(kv_ptr + kv_stride_kv + src_offsets, mask=token_mask[:, None])
+
+        row = (req.to(tl.int64) * tl.num_programs(1) + local) * keep + tokens
+        dst_offsets = row[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(kv_scratch_ptr + dst_offsets, keys, mask=token_mask[:, None])
+        tl.store(kv_scratch_ptr + plane + dst_offsets, values, mask=token_mask[:, None])
+        if GATHER_SCORES:
+            score_src = (
+                layer.to(tl.int64) * score_stride_layer
+                + pages.to(tl.int64) * score_stride_block
+                + slots * score_stride_slot
+                + kv_head * score_stride_head
+            )
+            scores = tl.load(score_ptr + score_src, mask=token_mask)
+            score_row = ((req.to(tl.int64) * num_layers + layer) * num_kv_heads + kv_head) * keep + tokens
+            tl.store(score_scratch_ptr + score_row, scores, mask=token_mask)
+
+    @triton.jit
+    def _scatter_kept_kernel(
+        kv_ptr,
+        score_ptr,
+        new_scores_ptr,
+        target_tables_ptr,
+        kv_scratch_ptr,
+        layer_head_begin,
+        plane,
+        num_kv_heads,
+        keep,
+        kv_stride_kv,
+        kv_stride_layer,
+        kv_stride_block,
+        kv_stride_slot,
+        kv_stride_head,
+        score_stride_layer,
+        score_stride_block,
+        score_stride_slot,
+        score_stride_head,
+        new_scores_stride_req,
+        new_scores_stride_layer,
+        new_scores_stride_head,
+        new_scores_stride_token,
+        target_table_stride,
+        PAGE_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        WRITE_SCORES: tl.constexpr,
+    ):
+        """Phase 2, one program per (token tile, layer x head of the chunk, request): scratch -> targets."""
+        tile = tl.program_id(0)
+        local = tl.program_id(1)
+        req = tl.program_id(2)
+        layer_head = layer_head_begin + local
+        layer = layer_head // num_kv_heads
+        kv_head = layer_head % num_kv_heads
+
+        tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        token_mask = tokens < keep
+        dims = tl.arange(0, HEAD_DIM)
+        row = (req.to(tl.int64) * tl.num_programs(1) + local) * keep + tokens
+        src_offsets = row[:, None] * HEAD_DIM + dims[None, :]
+        keys = tl.load(kv_scratch_ptr + src_offsets, mask=token_mask[:, None])
+        values = tl.load(kv_scratch_ptr + plane + src_offsets, mask=token_mask[:, None])
+
+        pages = tl.load(
+            target_tables_ptr + req.to(tl.int64) * target_table_stride + tokens // PAGE_SIZE, mask=token_mask
+        )
+        slots = tokens % PAGE_SIZE
+        dst = (
+            layer.to(tl.int64) * kv_stride_layer
+            + pages.to(tl.int64) * kv_stride_block
+            + slots * kv_stride_slot
+            + kv_head * kv_stride_head
+        )
+        dst_offsets = dst[:, None] + dims[None, :]
+        tl.store(kv_ptr + dst_offsets, keys, mask=token_mask[:, None])
+        tl.store(kv_ptr + kv_stride_kv + dst_offsets, values, mask=token_mask[:, None])
+        if WRITE_SCORES:
+            # new_scores is either the caller's tensor or phase 1's score scratch.
+            scores = tl.load(
+                new_scores_ptr
+                + req.to(tl.int64) * new_scores_stride_req
+                + layer * new_scores_stride_layer
+                + kv_head * new_scores_stride_head
+                + tokens * new_scores_stride_token,
+                mask=token_mask,
+            )
+            score_dst = (
+                layer.to(tl.int64) * score_stride_layer
+                + pages.to(tl.int64) * score_stride_block
+                + slots * score_stride_slot
+                + kv_head * score_stride_head
+            )
+            tl.store(score_ptr + score_dst, scores, mask=token_mask)
+
+
+def _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables):
+    assert kv_group.dim() == 6 and kv_group.shape[0] == 2, "kv_group: [2, L, num_blocks, b, H, d]"
+    _, num_layers, num_blocks, block_size, num_kv_heads, _ = kv_group.shape
+    assert kept.dim() == 4 and kept.shape[1:3] == (num_layers, num_kv_heads)
+    num_requests, _, _, keep = kept.shape
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_requests
+    assert target_tables.dim() == 2 and target_tables.shape[0] == num_requests
+    assert target_tables.shape[1] * block_size >= keep, "target_tables too narrow for keep tokens"
+    if score_group is not None:
+        assert score_group.shape == (num_layers, num_blocks, block_size, num_kv_heads)
+    if new_scores is not None:
+        assert score_group is not None, "new_scores without a score cache"
+        assert new_scores.shape == kept.shape
+
+
+def compact_kv(kv_group, score_group, kept, new_scores, block_tables, target_tables):
+    """Move the kept tokens of every (request, layer, KV head) to their target slots.
+
+    kv_group: [2, L, num_blocks, b, H, d] (K and V planes of a layer group, any
+    strides with a contiguous last dimension); score_group: [L, num_blocks, b, H]
+    float32 score cache or None; kept: int64 [R, L, H, keep], ascending indices
+    into each request's current KV order (< its length); new_scores: float32
+    [R, L, H, keep], the scores stored with the kept tokens, or None to move the
+    tokens' current scores (when there is a score cache); block_tables: int32
+    [R, >= pages in use] (sources); target_tables: int32 [R, T], T * b >= keep.
+    Token kept[r, l, h, j] goes to position j: block target_tables[r, j // b],
+    offset j % b. Targets may overlap the sources; slots past keep in the last
+    target block are left untouched.
+    """
+    _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables)
+    _, num_layers, _, block_size, num_kv_heads, head_dim = kv_group.shape
+    num_requests, _, _, keep = kept.shape
+    assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+    assert kv_group.stride(5) == 1 and block_tables.stride(1) == 1 and target_tables.stride(1) == 1
+    if num_requests == 0 or keep == 0:
+        return
+
+    device = kv_group.device
+    # Hazards only exist within one (layer, head) plane of the caches, so the work
+    # is split into chunks of layer x head pairs whose scratch stays within
+    # COMPACT_SCRATCH_BYTES; within a chunk all requests go together (a request's
+    # target block may be another request's source block).
+    num_layer_heads = num_layers * num_kv_heads
+    bytes_per_layer_head = 2 * num_requests * keep * head_dim * kv_group.element_size()
+    chunk = max(1, min(num_layer_heads, COMPACT_SCRATCH_BYTES // bytes_per_layer_head))
+    kv_scratch = torch.empty(2, num_requests, chunk, keep, head_dim, dtype=kv_group.dtype, device=device)
+    move_scores = score_group is not None and new_scores is None
+    if move_scores:
+        score_scratch = torch.empty(num_requests, num_layers, num_kv_heads, keep, dtype=score_group.dtype,
+                                    device=device)
+        new_scores = score_scratch
+    else:
+        score_scratch = kv_scratch  # unused
+    score_args = score_group if score_group is not None else kv_scratch  # unused without scores
+    score_strides = score_group.stride() if score_group is not None else (0, 0, 0, 0)
+    new_score_strides = new_scores.stride() if new_scores is not None else (0, 0, 0, 0)
+    new_score_args = new_scores if new_scores is not None else kv_scratch  # unused without scores
+
+    block_t = min(COMPACT_TOKENS_PER_PROGRAM, max(16, triton.next_power_of_2(keep)))
+    kv_strides = (kv_group.stride(0), kv_group.stride(1), kv_group.stride(2), kv_group.stride(3), kv_group.stride(4))
+    for begin in range(0, num_layer_heads, chunk):
+        grid = (triton.cdiv(keep, block_t), min(chunk, num_layer_heads - begin), num_requests)
+        _gather_kept_kernel[grid](
+            kv_group, score_args, kept, block_tables, kv_scratch, score_scratch,
+            begin, kv_scratch.stride(0), num_layers, num_kv_heads, keep,
+            *kv_strides, *score_strides, *kept.stride(), block_tables.stride(0),
+            PAGE_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_T=block_t, GATHER_SCORES=move_scores,
+            num_warps=COMPACT_NUM_WARPS,
+        )  # fmt: skip
+        _scatter_kept_kernel[grid](
+            kv_group, score_args, new_score_args, target_tables, kv_scratch,
+            begin, kv_scratch.stride(0), num_kv_heads, keep,
+            *kv_strides, *score_strides, *new_score_strides, target_tables.stride(0),
+            PAGE_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_T=block_t, WRITE_SCORES=score_group is not None,
+            num_warps=COMPACT_NUM_WARPS,
+        )  # fmt: skip
+
+
+def compact_kv_torch(kv_group, score_group, kept, new_scores, block_tables, target_tables):
+    """PyTorch twin of compact_kv (same arguments and semantics), also gather-then-write."""
+    _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables)
+    _, num_layers, _, block_size, num_kv_heads, _ = kv_group.shape
+    num_requests, _, _, keep = kept.shape
+    if num_requests == 0 or keep == 0:
+        return
+    device = kv_group.device
+    req = torch.arange(num_requests, device=device).view(-1, 1, 1, 1)
+    layer = torch.arange(num_layers, device=device).view(1, -1, 1, 1)
+    head = torch.arange(num_kv_heads, device=device).view(1, 1, -1, 1)
+    kept = kept.to(device=device, dtype=torch.int64)
+    src_blocks = block_tables.to(device=device, dtype=torch.int64)[req, kept // block_size]  # [R, L, H, keep]
+    src_slots = kept % block_size
+    positions = torch.arange(keep, device=device)
+    dst_blocks = target_tables.to(device=device, dtype=torch.int64)[:, positions // block_size].view(
+        num_requests, 1, 1, keep
+    )
+    dst_slots = positions % block_size
+
+    # Phase 1: gather (advanced indexing copies), phase 2: write through the views.
+    rows = kv_group[:, layer, src_blocks, src_slots, head]  # [2, R, L, H, keep, d]
+    if score_group is not None:
+        scores = score_group[layer, src_blocks, src_slots, head] if new_scores is None else new_scores
+        score_group[layer, dst_blocks, dst_slots, head] = scores.to(score_group.dtype)
+    kv_group[:, layer, dst_blocks, dst_slots, head] = rows
