@@ -6,7 +6,9 @@ from __future__ import annotations
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench", required=True)
+    from zipage.bench.compression import add_compression_parser
     from zipage.bench.decode import add_decode_parser
     from zipage.bench.kernels import add_kernel_parser
     add_decode_parser(kinds)
     add_kernel_parser(kinds)
+    add_compression_parser(kinds)

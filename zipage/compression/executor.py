@@ -9,6 +9,8 @@ CPU their PyTorch twins, which call the pure functions of ``policy.py``.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from zipage.compression import policy
@@ -30,10 +32,25 @@ class Compressor:
         from zipage.kernels import compact_kv, compress_scores
         self._attention = (compress_scores.paged_attention_scores if on_gpu
                            else compress_scores.paged_attention_scores_torch)
-        self._redundancy = (compress_scores.paged_redundancy_sums if on_gpu
+        self._redundancy = (compress_scores.paged_redundancy_sums
+                            if on_gpu and block_size <= compress_scores.REDUNDANCY_MAX_BLOCK
                             else compress_scores.paged_redundancy_sums_torch)
         self._compact = compact_kv.compact_kv if on_gpu else compact_kv.compact_kv_torch
         self._gather_keys = compress_scores.gather_keys
+        # Seconds per stage, accumulated when a benchmark sets this to a dict (synchronises).
+        self.stage_seconds: dict[str, float] | None = None
+        self._mark_time = 0.0
+
+    def _mark(self, stage: str | None) -> None:
+        """Charge the time since the last mark to ``stage`` (only when timing)."""
+        if self.stage_seconds is None:
+            return
+        if self.kv_cache.is_cuda:
+            torch.cuda.synchronize(self.kv_cache.device)
+        now = time.perf_counter()
+        if stage is not None:
+            self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + now - self._mark_time
+        self._mark_time = now
 
     def batches(self, tasks: list[CompressionTask]) -> list[list[CompressionTask]]:
         """Split tasks so that no batch reads more than ``max_blocks_per_compression`` blocks."""
@@ -69,13 +86,16 @@ class Compressor:
         # Window rows, oldest first: the query of absolute position p sits in ring row p % window.
         rows = torch.tensor([[t.seq.query_slot * window + (t.last_position - window + 1 + i) % window
                               for i in range(window)] for t in tasks], dtype=torch.int64, device=device)
-        use_history = cfg.global_score_decay is not None and bool((num_previous > 0).any())
+        use_history = cfg.global_score_decay is not None and any(t.num_previous > 0 for t in tasks)
+        any_pool = cfg.pooling_width is not None and any(t.pool for t in tasks)
+        self._mark(None)
 
         for first in range(0, self.num_layers, cfg.layer_group):
             layers = slice(first, min(first + cfg.layer_group, self.num_layers))
             kv_group = self.kv_cache[:, layers]
             queries = self.query_cache[layers][:, rows].transpose(0, 1).contiguous()  # [R, L, w, Hq, d]
             attention = self._attention(queries, kv_group[0], sources, lengths, self.scale, n_max)
+            self._mark("attention")
             previous = None
             if use_history:
                 previous = self._gather_keys(self.score_cache[layers].unsqueeze(-1), sources, num_previous,
@@ -83,9 +103,10 @@ class Compressor:
             history = policy.update_global_scores(attention, previous, num_previous,
                                                   cfg.global_score_decay if use_history else None)
             scores = history
-            if cfg.pooling_width is not None and bool(pool.any()):
+            if any_pool:
                 pooled = policy.max_pool(history, lengths, cfg.pooling_width)
                 scores = torch.where(pool[:, None, None, None], pooled, history)
+            self._mark("history")
             redundancy = None
             if cfg.redundancy == "lightning":
                 rsum = self._redundancy(kv_group[0], sources, lengths, cfg.similarity_threshold, n_max)
@@ -94,9 +115,12 @@ class Compressor:
                 keys = self._gather_keys(kv_group[0], sources, lengths, n_max)
                 redundancy = policy.redundancy_scores(keys, lengths, cfg.similarity_threshold,
                                                       cfg.redundancy_temperature)
+            self._mark("redundancy")
             scores = policy.combine_scores(scores, redundancy, cfg.attention_weight)
             scores = policy.protect(scores, lengths, window, cfg.attention_sink)
             kept = policy.select_kept(scores, keep)
             new_scores = history.gather(-1, kept) if self.score_cache is not None else None
+            self._mark("top-k")
             score_group = self.score_cache[layers] if self.score_cache is not None else None
             self._compact(kv_group, score_group, kept, new_scores, sources, targets)
+            self._mark("compaction")

@@ -1,0 +1,157 @@
+"""``zipage bench compression``: the time of one compression, by stage, beside a decode step.
+
+Requests are put straight into the state that triggers compression (a full
+budget of N blocks of random keys, values and window queries), so no prefill is
+needed. The kernels are first checked against their PyTorch twins on this state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from zipage.bench.common import model_dir_for, print_table, write_json
+
+
+def add_compression_parser(sub) -> None:
+    p = sub.add_parser("compression", help="time one compression per stage, next to a decode step")
+    p.add_argument("--model", default=None)
+    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--arch", default="qwen3")
+    p.add_argument("--requests", default="64,256", help="comma-separated compression batch sizes")
+    p.add_argument("--budget", type=int, default=2048, help="kv_budget_tokens")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--redundancy", default="lightning", choices=["lightning", "raw", "off"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--check", type=int, default=4, help="requests whose kernel outputs are checked (0: none)")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=run_compression_bench)
+
+
+def _fill_requests(llm, count: int, rng: random.Random):
+    """``count`` running requests, each holding N full blocks of random cache contents."""
+    from zipage import SamplingParams
+    from zipage.engine.sequence import SequenceStatus
+
+    engine, cfg = llm.engine, llm.config.compression
+    bm, scheduler, runner = engine.block_manager, engine.scheduler, engine.runner
+    tokens = cfg.max_blocks_per_seq * llm.config.cache.block_size
+    seqs = []
+    for _ in range(count):
+        seq = engine.prepare_request([rng.randrange(runner.vocab_size) for _ in range(tokens)],
+                                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        engine.add_sequence(seq)
+        scheduler.waiting.remove(seq)
+        bm.allocate(seq)
+        seq.kv_len = tokens
+        seq.token_ids.append(0)  # the sampled token waiting to be cached
+        seq.status = SequenceStatus.RUNNING
+        seq.query_slot = scheduler.free_query_slots.pop()
+        scheduler.running.append(seq)
+        seqs.append(seq)
+    blocks = torch.tensor([b for s in seqs for b in s.block_table], device=runner.device)
+    runner.kv_cache[:, :, blocks] = torch.randn_like(runner.kv_cache[:, :, blocks])
+    runner.query_cache.normal_()
+    return seqs
+
+
+def _finish(llm, seqs) -> None:
+    for seq in seqs:
+        llm.engine.scheduler.finish(seq, "abort")
+        llm.engine._requests.pop(seq.request_id, None)
+
+
+def _check_kernels(llm, seqs) -> dict:
+    """Relative error of each kernel against its twin on the live state (first layer group)."""
+    from zipage.kernels import compact_kv as ck
+    from zipage.kernels import compress_scores as cs
+
+    runner, cfg = llm.engine.runner, llm.config.compression
+    bs = llm.config.cache.block_size
+    tables = torch.tensor([list(s.block_table) for s in seqs], dtype=torch.int32, device=runner.device)
+    lengths = torch.tensor([s.kv_len for s in seqs], device=runner.device)
+    n_max = tables.shape[1] * bs
+    layers = slice(0, min(cfg.layer_group, runner.spec.num_layers))
+    keys = runner.kv_cache[0, layers]
+    rows = torch.stack([s.query_slot * cfg.window + torch.arange(cfg.window) for s in seqs]).to(runner.device)
+    queries = runner.query_cache[layers][:, rows].transpose(0, 1).contiguous()
+    scale = runner.spec.head_dim ** -0.5
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+    errors = {"attention": rel(cs.paged_attention_scores(queries, keys, tables, lengths, scale, n_max),
+                               cs.paged_attention_scores_torch(queries, keys, tables, lengths, scale, n_max))}
+    if bs <= cs.REDUNDANCY_MAX_BLOCK:
+        errors["redundancy"] = rel(cs.paged_redundancy_sums(keys, tables, lengths, cfg.similarity_threshold, n_max),
+                                   cs.paged_redundancy_sums_torch(keys, tables, lengths, cfg.similarity_threshold,
+                                                                  n_max))
+    kept = torch.sort(torch.randperm(n_max, device=runner.device)[:cfg.kv_budget_tokens]).values
+    kept = kept.expand(len(seqs), keys.shape[0], keys.shape[-2], -1).contiguous()
+    free = llm.engine.block_manager.free_blocks
+    targets = torch.tensor(list(free)[:len(seqs) * (tables.shape[1] - 1)], dtype=torch.int32,
+                           device=runner.device).view(len(seqs), -1)
+    kv = runner.kv_cache[:, layers]
+    outs = []
+    for compact in (ck.compact_kv, ck.compact_kv_torch):
+        compact(kv, None, kept, None, tables, targets)
+        outs.append(kv[:, :, targets.flatten().long()].clone())
+    errors["compaction"] = rel(outs[0], outs[1])
+    return errors
+
+
+def run_compression_bench(args: argparse.Namespace) -> int:
+    from zipage import LLM, CompressionConfig
+    from zipage.compression.planner import plan_compression
+
+    model_dir, load_format = model_dir_for(args.model, args.shape, args.arch)
+    counts = [int(x) for x in args.requests.split(",")]
+    config = CompressionConfig(kv_budget_tokens=args.budget, redundancy=args.redundancy)
+    max_len = args.budget + 2 * args.block_size + 8
+    llm = LLM(model_dir, load_format=load_format, device=args.device, block_size=args.block_size,
+              max_num_seqs=max(counts), max_model_len=max_len, enable_prefix_caching=False, compression=config)
+    engine, runner = llm.engine, llm.engine.runner
+    compressor = runner.compressor
+    rng = random.Random(0)
+    errors = {}
+    if args.check:
+        seqs = _fill_requests(llm, args.check, rng)
+        errors = _check_kernels(llm, seqs)
+        print("kernel vs twin relative error:", {k: f"{v:.2e}" for k, v in errors.items()})
+        _finish(llm, seqs)
+    rows = []
+    for round_index, count in enumerate([min(counts)] + counts):  # round 0 compiles the kernels
+        seqs = _fill_requests(llm, count, rng)
+        tasks = [plan_compression(s, engine.block_manager, llm.config.compression) for s in seqs]
+        compressor.stage_seconds = {}
+        start = time.perf_counter()
+        runner.compress(tasks)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        total = time.perf_counter() - start
+        stages = compressor.stage_seconds
+        compressor.stage_seconds = None
+        for seq in seqs:
+            engine.block_manager.append_slot(seq)
+        step_times = []
+        for _ in range(4):  # decode steps over the compacted caches
+            start = time.perf_counter()
+            runner.execute(seqs, False, engine.eos_token_ids)
+            step_times.append(time.perf_counter() - start)
+        _finish(llm, seqs)
+        if round_index == 0:
+            continue
+        row = dict(requests=count, total_ms=1000 * total,
+                   **{f"{k}_ms": 1000 * v for k, v in stages.items()},
+                   decode_step_ms=1000 * sorted(step_times[1:])[len(step_times[1:]) // 2])
+        rows.append(row)
+        print_table([row], list(row))
+    print()
+    print_table(rows, list(rows[0]))
+    write_json(args.out, dict(benchmark="compression", model=args.model or args.shape, budget=args.budget,
+                              block_size=args.block_size, redundancy=args.redundancy, rows=rows,
+                              kernel_errors=errors))
+    return 0
