@@ -131,7 +131,7 @@ def test_engine_matches_reference_simulation(checkpoint_dir, arch, redundancy):
         compressions_before = ref.num_compressions
         ref_logits = ref.step(tokens[-1], len(tokens) - 1)
         finished, _ = engine.step()
-        engine_logits = captured[-1][-1].double()
+        engine_logits = captured[-1][-1].double().cpu()
         assert seq.metrics.num_compressions == ref.num_compressions, "compression trigger differs"
         err = (engine_logits - ref_logits).abs().max().item()
         assert err < 1e-4, f"logits differ by {err} at position {len(tokens) - 1}"
@@ -143,7 +143,7 @@ def test_engine_matches_reference_simulation(checkpoint_dir, arch, redundancy):
             keep = resolved.kv_budget_tokens
             table = seq.block_table.array()
             slots = [table[j // BLOCK] * BLOCK + j % BLOCK for j in range(keep)]
-            stored = score_cache.flatten(1, 2)[:, slots].permute(0, 2, 1).double()  # [L, H, keep]
+            stored = score_cache.flatten(1, 2)[:, slots].permute(0, 2, 1).double().cpu()  # [L, H, keep]
             torch.testing.assert_close(stored, ref.scores[..., :keep], rtol=1e-4, atol=1e-7)
             compared_scores = True
         if finished:

@@ -52,8 +52,8 @@ def _fill_requests(llm, count: int, rng: random.Random):
         seq.query_slot = scheduler.free_query_slots.pop()
         scheduler.running.append(seq)
         seqs.append(seq)
-    blocks = torch.tensor([b for s in seqs for b in s.block_table], device=runner.device)
-    runner.kv_cache[:, :, blocks] = torch.randn_like(runner.kv_cache[:, :, blocks])
+    for block in (b for s in seqs for b in s.block_table):  # in place: no copy of the whole set
+        runner.kv_cache[:, :, block].normal_()
     runner.query_cache.normal_()
     return seqs
 
