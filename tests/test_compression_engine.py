@@ -63,7 +63,7 @@ def test_small_budget_bounds_blocks_and_counts_compressions(checkpoint_dir, arch
         m = out.metrics
         assert (m.num_compressions, m.evicted_tokens) == expected_compressions(p, t, n_max), (p, t)
         assert m.peak_blocks <= n_max, (p, t, m.peak_blocks)
-    stats = llm.engine.stats
+    stats = llm.stats
     assert stats.num_compressions == sum(o.metrics.num_compressions for o in outputs) > 0
     assert stats.peak_running == len(prompts)
     assert len(stats.occupancy) == stats.num_steps

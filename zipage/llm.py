@@ -38,6 +38,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def stats(self):
+        """Engine-wide numbers: steps, peak running requests, compressions, block occupancy."""
+        return self.engine.stats
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or many; outputs come back in input order.
