@@ -83,3 +83,18 @@ def assert_pool_full(llm) -> None:
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks leaked"
     assert all(c == 0 for c in bm.ref_counts)
+
+
+# -- kernel-test helpers ---------------------------------------------------------
+def require_triton():
+    pytest.importorskip("triton")
+
+
+def relative_error(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def assert_close(out, ref, tolerance):
+    assert torch.isfinite(out).all(), "output has non-finite (unwritten or NaN) elements"
+    error = relative_error(out, ref)
+    assert error < tolerance, f"relative error {error:.3g} >= {tolerance:.3g}"

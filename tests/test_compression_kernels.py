@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import zipage.kernels.compact_kv as compact_kv_module  # noqa: E402
+from tests.conftest import assert_close, relative_error, require_triton  # noqa: E402
 import zipage.kernels.compress_scores as compress_scores_module  # noqa: E402
 from zipage.kernels.compact_kv import compact_kv, compact_kv_torch  # noqa: E402
 from zipage.kernels.compress_scores import (  # noqa: E402
@@ -38,18 +39,6 @@ RSUM_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-3}  # max abs error of 
 THRESHOLD_MARGIN = 2e-4  # no considered similarity lies closer than this to the threshold
 
 
-def require_triton():
-    pytest.importorskip("triton")
-
-
-def relative_error(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def assert_close(out, ref, tolerance):
-    assert torch.isfinite(out).all(), "output has non-finite (unwritten or NaN) elements"
-    error = relative_error(out, ref)
-    assert error < tolerance, f"relative error {error:.3g} >= {tolerance:.3g}"
 
 
 def assert_padding_zero(out, lengths):

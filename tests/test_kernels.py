@@ -17,6 +17,7 @@ import torch  # noqa: E402
 from zipage.kernels.paged_decode import paged_decode_attention, paged_decode_attention_torch  # noqa: E402
 from zipage.kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_torch  # noqa: E402
 from zipage.kernels.store_kv import store_kv, store_kv_torch  # noqa: E402
+from tests.conftest import assert_close, relative_error, require_triton  # noqa: E402
 
 HEAD_DIM = 32
 NUM_KV_HEADS = 2
@@ -24,18 +25,6 @@ TWIN_TOLERANCE = 1e-5
 TRITON_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3}
 
 
-def require_triton():
-    pytest.importorskip("triton")
-
-
-def relative_error(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def assert_close(out, ref, tolerance):
-    assert torch.isfinite(out).all(), "output has non-finite (unwritten or NaN) elements"
-    error = relative_error(out, ref)
-    assert error < tolerance, f"relative error {error:.3g} >= {tolerance:.3g}"
 
 
 # ---------------------------------------------------------------- references

@@ -10,6 +10,7 @@ CPU their PyTorch twins, which call the pure functions of ``policy.py``.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -87,6 +88,7 @@ class Compressor:
         rows = torch.tensor([[t.seq.query_slot * window + (t.last_position - window + 1 + i) % window
                               for i in range(window)] for t in tasks], dtype=torch.int64, device=device)
         use_history = cfg.global_score_decay is not None and any(t.num_previous > 0 for t in tasks)
+        history_config = cfg if use_history else replace(cfg, global_score_decay=None)
         any_pool = cfg.pooling_width is not None and any(t.pool for t in tasks)
         self._mark(None)
 
@@ -96,17 +98,6 @@ class Compressor:
             queries = self.query_cache[layers][:, rows].transpose(0, 1).contiguous()  # [R, L, w, Hq, d]
             attention = self._attention(queries, kv_group[0], sources, lengths, self.scale, n_max)
             self._mark("attention")
-            previous = None
-            if use_history:
-                previous = self._gather_keys(self.score_cache[layers].unsqueeze(-1), sources, num_previous,
-                                             n_max).squeeze(-1)
-            history = policy.update_global_scores(attention, previous, num_previous,
-                                                  cfg.global_score_decay if use_history else None)
-            scores = history
-            if any_pool:
-                pooled = policy.max_pool(history, lengths, cfg.pooling_width)
-                scores = torch.where(pool[:, None, None, None], pooled, history)
-            self._mark("history")
             redundancy = None
             if cfg.redundancy == "lightning":
                 rsum = self._redundancy(kv_group[0], sources, lengths, cfg.similarity_threshold, n_max)
@@ -116,11 +107,14 @@ class Compressor:
                 redundancy = policy.redundancy_scores(keys, lengths, cfg.similarity_threshold,
                                                       cfg.redundancy_temperature)
             self._mark("redundancy")
-            scores = policy.combine_scores(scores, redundancy, cfg.attention_weight)
-            scores = policy.protect(scores, lengths, window, cfg.attention_sink)
-            kept = policy.select_kept(scores, keep)
+            previous = None
+            if use_history:
+                previous = self._gather_keys(self.score_cache[layers].unsqueeze(-1), sources, num_previous,
+                                             n_max).squeeze(-1)
+            kept, history = policy.choose_tokens(attention, redundancy, lengths, previous, num_previous,
+                                                 history_config, keep, pool if any_pool else False)
             new_scores = history.gather(-1, kept) if self.score_cache is not None else None
-            self._mark("top-k")
+            self._mark("history and top-k")
             score_group = self.score_cache[layers] if self.score_cache is not None else None
             self._compact(kv_group, score_group, kept, new_scores, sources, targets)
             self._mark("compaction")

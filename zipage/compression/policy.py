@@ -206,27 +206,38 @@ def select_kept(scores: Tensor, keep: int) -> Tensor:
     return order.sort(dim=-1).values
 
 
-def score_tokens(queries: Tensor, keys: Tensor, lengths: Tensor, previous: Tensor | None, num_previous: Tensor,
-                 config, scale: float, keep: int, block_size: int, pool: bool) -> tuple[Tensor, Tensor]:
-    """The whole pipeline for one layer group.
+def choose_tokens(attention: Tensor, redundancy: Tensor | None, lengths: Tensor, previous: Tensor | None,
+                  num_previous: Tensor, config, keep: int, pool) -> tuple[Tensor, Tensor]:
+    """Steps 2, 3, 5, 6 and 7 of the pipeline, from the attention and redundancy scores.
 
     Returns (kept indices int64 [R, L, H, keep], ascending; global score G float32
     [R, L, H, n_max]). G is the history score before pooling, the value stored with each
-    token; padding 0. ``config`` is a ``CompressionConfig``; ``block_size`` is the cache's
-    block size (the lightning block); ``pool`` says whether pooling applies this time.
+    token. ``pool`` is a bool, or a bool tensor [R] to pool some requests only (a
+    tensor is used as it is, without reading it back from the device).
+    """
+    history = update_global_scores(attention, previous, num_previous, config.global_score_decay)
+    pooled = history
+    if config.pooling_width is not None and config.pooling_width > 1 and pool is not False:
+        pooled = max_pool(history, lengths, config.pooling_width)
+        if isinstance(pool, Tensor):
+            pooled = torch.where(pool[:, None, None, None], pooled, history)
+    combined = protect(combine_scores(pooled, redundancy, config.attention_weight), lengths, config.window,
+                       config.attention_sink)
+    return select_kept(combined, keep), history
+
+
+def score_tokens(queries: Tensor, keys: Tensor, lengths: Tensor, previous: Tensor | None, num_previous: Tensor,
+                 config, scale: float, keep: int, block_size: int, pool: bool) -> tuple[Tensor, Tensor]:
+    """The whole pipeline for one layer group, from window queries and dense keys.
+
+    ``config`` is a ``CompressionConfig``; ``block_size`` is the cache's block size (the
+    lightning block); ``pool`` says whether pooling applies this time. Returns what
+    ``choose_tokens`` returns.
     """
     attention = attention_scores(queries, keys, lengths, scale)
-    history = update_global_scores(attention, previous, num_previous, config.global_score_decay)
-    del attention
-    pooled = history
-    if pool and config.pooling_width is not None and config.pooling_width > 1:
-        pooled = max_pool(history, lengths, config.pooling_width)
     redundancy = None
     if config.redundancy != "off":
         divisor = block_size if config.redundancy == "lightning" else None
         redundancy = redundancy_scores(keys, lengths, config.similarity_threshold, config.redundancy_temperature,
                                        divisor)
-    combined = combine_scores(pooled, redundancy, config.attention_weight)
-    del pooled, redundancy
-    combined = protect(combined, lengths, config.window, config.attention_sink)
-    return select_kept(combined, keep), history
+    return choose_tokens(attention, redundancy, lengths, previous, num_previous, config, keep, pool)
