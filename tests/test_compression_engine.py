@@ -128,3 +128,46 @@ def test_bad_compression_settings_name_the_field(checkpoint_dir):
         CompressionConfig(max_blocks_per_seq=1)
     with pytest.raises(ValueError, match="must fit the budget"):
         make_llm(model_dir, block_size=16, compression=CompressionConfig(max_blocks_per_seq=2, attention_sink=4))
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_asynchronous_and_synchronous_compression_give_the_same_tokens(checkpoint_dir, hybrid):
+    model_dir = checkpoint_dir("qwen3")
+    prompts = [_prompt(20 + i, n) for i, n in enumerate([5, 30, 50, 12])]
+    params = [_greedy(t) for t in (120, 90, 60, 100)]
+    runs = {}
+    for asynchronous in (False, True):
+        llm = make_llm(model_dir, block_size=BLOCK, max_model_len=512, compression=CompressionConfig(
+            max_blocks_per_seq=3, asynchronous=asynchronous, hybrid=hybrid))
+        runs[asynchronous] = llm.generate(prompts, params, use_tqdm=False)
+        assert_pool_full(llm)
+    for sync, overlapped in zip(runs[False], runs[True]):
+        assert sync.outputs[0].token_ids == overlapped.outputs[0].token_ids
+        assert sync.metrics.num_compressions == overlapped.metrics.num_compressions > 0
+
+
+def test_hybrid_scheduling_under_memory_pressure(checkpoint_dir):
+    """Fewer query slots than requests: the others decode without one, wait, get one, finish."""
+    from zipage.models.registry import spec_from_config
+    from zipage.runner.kv_cache import bytes_per_block
+    from zipage.utils.loader import load_config
+
+    model_dir = checkpoint_dir("qwen3")
+    spec = spec_from_config(load_config(model_dir))
+    n_max, window = 3, 8
+    per_block = bytes_per_block(spec, BLOCK, torch.float32, with_scores=True)
+    per_slot = spec.num_layers * window * spec.num_heads * spec.head_dim * 4
+    budget = 2 * (n_max * per_block + per_slot) + 2 * per_block  # two slots, two blocks to spare
+    llm = make_llm(model_dir, block_size=BLOCK, max_model_len=256, kv_cache_memory_bytes=budget,
+                   compression=CompressionConfig(max_blocks_per_seq=n_max, window=window))
+    assert llm.engine.runner.num_query_slots == 2
+    lengths = [(20, 90), (9, 70), (30, 60), (5, 80), (14, 40), (3, 100)]
+    outputs = llm.generate([_prompt(40 + i, p) for i, (p, _) in enumerate(lengths)],
+                           [_greedy(t) for _, t in lengths], use_tqdm=False)
+    for (p, t), out in zip(lengths, outputs):
+        assert len(out.outputs[0].token_ids) == t
+        assert out.metrics.peak_blocks <= n_max
+    assert llm.stats.peak_running > 2  # more requests ran than there are slots
+    assert sum(o.metrics.num_compressions for o in outputs) > 0
+    assert_pool_full(llm)
+    assert sorted(llm.engine.scheduler.free_query_slots) == [0, 1]

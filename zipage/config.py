@@ -103,6 +103,9 @@ class CompressionConfig:
     attention_sink: int = 0  # leading tokens always kept
     layer_group: int = 8  # layers scored and compacted together
     max_blocks_per_compression: int = 600  # caps one compression batch (scratch memory)
+    asynchronous: bool = True  # compress on a side CUDA stream while the others decode
+    hybrid: bool = True  # query slots from memory; requests without one decode while far from compressing
+    query_slots: int | None = None  # fixes M instead of deriving it from memory
 
     def __post_init__(self):
         _check(self.kv_budget_tokens is not None or self.max_blocks_per_seq is not None,
@@ -133,6 +136,8 @@ class CompressionConfig:
                f"layer_group must be an integer >= 1, got {self.layer_group!r}")
         _check(_is_int(self.max_blocks_per_compression) and self.max_blocks_per_compression >= 1,
                f"max_blocks_per_compression must be a positive integer, got {self.max_blocks_per_compression!r}")
+        _check(self.query_slots is None or (_is_int(self.query_slots) and self.query_slots >= 1),
+               f"query_slots must be a positive integer or None, got {self.query_slots!r}")
 
     def resolve(self, block_size: int) -> None:
         """Fix N and k for the cache's block size and check what depends on it."""
@@ -145,6 +150,15 @@ class CompressionConfig:
         _check(self.window + self.attention_sink <= self.kv_budget_tokens,
                f"window + attention_sink = {self.window + self.attention_sink} must fit the budget of "
                f"{self.kv_budget_tokens} kept tokens")
+        _check(self.max_blocks_per_compression >= self.max_blocks_per_seq,
+               f"max_blocks_per_compression={self.max_blocks_per_compression} must hold one request's "
+               f"{self.max_blocks_per_seq} blocks")
+
+    def slotless_limit(self, block_size: int) -> int:
+        """A request without a query slot may cache tokens only below this index: the
+        window of its next compression (the last ``window`` positions of a full budget)
+        must have its queries saved."""
+        return self.max_blocks_per_seq * block_size - self.window
 
 
 @dataclass

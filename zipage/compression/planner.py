@@ -27,6 +27,7 @@ class CompressionTask:
     num_previous: int  # leading tokens that carry a history score from the last compression
     last_position: int  # absolute position of the newest cached token (ends the window)
     pool: bool  # max-pool the score at this compression
+    pending_release: list[int]  # source blocks to release once an asynchronous compaction is done
 
 
 def needs_compression(seq: Sequence, bm: BlockManager, config: CompressionConfig) -> bool:
@@ -35,13 +36,15 @@ def needs_compression(seq: Sequence, bm: BlockManager, config: CompressionConfig
     return n_blocks > limit or (n_blocks == limit and bm.needs_block(seq))
 
 
-def plan_compression(seq: Sequence, bm: BlockManager, config: CompressionConfig) -> CompressionTask:
+def plan_compression(seq: Sequence, bm: BlockManager, config: CompressionConfig,
+                     asynchronous: bool = False) -> CompressionTask:
     """Take target blocks for ``seq`` and update its bookkeeping to the compacted state."""
     keep = config.kv_budget_tokens
     num_tokens = seq.kv_len
-    sources, targets = bm.compact(seq, config.max_blocks_per_seq - 1)
+    sources, targets, pending = bm.compact(seq, config.max_blocks_per_seq - 1, defer_release=asynchronous)
     task = CompressionTask(
         seq=seq, source_blocks=sources, target_blocks=targets, num_tokens=num_tokens, keep=keep,
+        pending_release=pending,
         num_previous=seq.num_scored_tokens,
         last_position=seq.num_tokens - 2,  # the newest token (last sampled) is not cached yet
         pool=config.pooling_width is not None and (seq.metrics.num_compressions == 0

@@ -137,11 +137,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; unreferenced blocks return to the pool."""
         # Tail first, so the pool reuses a request's tail before its (shareable) head.
-        for block_id in reversed(seq.block_table.array().tolist()):
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
-            if self.ref_counts[block_id] == 0:
-                self.free_blocks[block_id] = None
+        self.release(seq.block_table.array().tolist()[::-1])
         seq.block_table.clear()
         seq.kv_len = 0
         seq.num_registered_blocks = 0
@@ -166,15 +162,18 @@ class BlockManager:
         """Whether the pool has fresh blocks for every shared block among the targets."""
         return self._fresh_targets_needed(seq, num_targets) <= self.num_free_blocks
 
-    def compact(self, seq: Sequence, num_targets: int) -> tuple[list[int], list[int]]:
+    def compact(self, seq: Sequence, num_targets: int, defer_release: bool = False):
         """Give ``seq`` ``num_targets`` blocks to compact its kept tokens into.
 
         A shared leading block is never written: it is swapped for a fresh block and
         the request drops its reference, so others keep reading it. Private blocks are
         reused in place (their prefix-cache entry is dropped, their contents change);
-        the rest are released. Returns (source blocks, target blocks); the compaction
-        must read the sources before anything writes the released blocks (it runs
-        before the step's forward).
+        the rest are released. The compaction must read the sources before anything
+        writes a released block: a synchronous compaction runs before the step's
+        forward, so its blocks are released at once; an asynchronous one overlaps
+        other requests' decoding, so with ``defer_release`` the request keeps its
+        references until ``release`` is called when the compaction has finished.
+        Returns (source blocks, target blocks, blocks still to release).
         """
         sources = seq.block_table.array().tolist()
         targets = []
@@ -188,12 +187,19 @@ class BlockManager:
                     self.block_hash[block_id] = None
                 targets.append(block_id)
         kept = set(targets)
-        for block_id in sources:
-            if block_id not in kept:
-                self.ref_counts[block_id] -= 1
-                if self.ref_counts[block_id] == 0:
-                    self.free_blocks[block_id] = None
+        dropped = [b for b in sources if b not in kept]
         seq.block_table.replace(targets)
         seq.kv_is_token_prefix = False
         seq.num_registered_blocks = 0
-        return sources, targets
+        if defer_release:
+            return sources, targets, dropped
+        self.release(dropped)
+        return sources, targets, []
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block; unreferenced blocks return to the pool."""
+        for block_id in block_ids:
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_counts[block_id] == 0:
+                self.free_blocks[block_id] = None

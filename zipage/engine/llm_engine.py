@@ -59,13 +59,20 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.hf_config)
         self.vocab_size = self.runner.vocab_size
         capacity = self.runner.num_blocks * config.cache.block_size
-        if config.scheduler.max_model_len > capacity:
+        # Without compression a request must fit the cache at full length; with it, only its
+        # prompt must (prefilled whole, compressed at its first decode step).
+        self.max_prompt_tokens = config.scheduler.max_model_len - 1
+        if config.compression is not None:
+            self.max_prompt_tokens = min(self.max_prompt_tokens, capacity - config.cache.block_size)
+        elif config.scheduler.max_model_len > capacity:
             raise ValueError(f"max_model_len={config.scheduler.max_model_len} does not fit the KV cache "
                              f"({capacity} tokens); lower max_model_len or give the cache more memory")
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
             min_recomputed_tokens=config.compression.window if config.compression else 1)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.compression)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.compression,
+                                   self.runner.num_query_slots)
+        self._in_flight = None  # (runner handle, tasks) of the asynchronous compression batch
         self.stats = EngineStats()
         self._start_time = time.perf_counter()
         self.eos_token_ids = self._eos_token_ids()
@@ -111,9 +118,11 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
         max_len = self.config.scheduler.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len={max_len} allows at most "
-                             f"{max_len - 1} so that one token can be generated")
+        if len(token_ids) > self.max_prompt_tokens:
+            limit = (f"max_model_len={max_len} allows at most {max_len - 1} so that one token can be generated"
+                     if self.max_prompt_tokens == max_len - 1 else
+                     f"the KV cache holds prompts of at most {self.max_prompt_tokens} tokens")
+            raise ValueError(f"prompt has {len(token_ids)} tokens; {limit}")
         room = max_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if request_id is None:
@@ -140,6 +149,8 @@ class LLMEngine:
         seq = self._requests.get(request_id)
         if seq is None or seq.is_finished:
             return None
+        if seq.compressing:  # its blocks are being compacted: let that finish first
+            self._collect_compression(wait=True)
         self.scheduler.finish(seq, "abort")
         return self._output(seq)
 
@@ -150,16 +161,29 @@ class LLMEngine:
     def step(self) -> tuple[list[RequestOutput], StepStats | None]:
         """Run one step; return the requests that finished in it and the step's numbers."""
         start = time.perf_counter()
+        self._collect_compression(wait=False)
         batch = self.scheduler.schedule()
+        if batch is None and self._in_flight is not None:
+            self._collect_compression(wait=True)  # nothing else can run until the compaction is done
+            batch = self.scheduler.schedule()
         if batch is None:
+            if self.scheduler.has_unfinished():
+                bm = self.block_manager
+                raise RuntimeError(f"scheduler made no progress: {len(self.scheduler.running)} running, "
+                                   f"{len(self.scheduler.waiting)} waiting, {bm.num_free_blocks}/{bm.num_blocks} "
+                                   "blocks free")
             return [], None
         stats = StepStats(batch.is_prefill, len(batch.seqs), batch.num_tokens, len(batch.preempted),
                           num_compressed=len(batch.compressions), num_running=len(self.scheduler.running))
         scheduled = time.perf_counter()
         if batch.compressions:
-            self.runner.compress(batch.compressions)
+            if self.scheduler.asynchronous:
+                self._in_flight = (self.runner.start_compression(batch.compressions), batch.compressions)
+                self.scheduler.compression_in_flight = True
+            else:
+                self.runner.compress(batch.compressions)
             stats.compression_s = time.perf_counter() - scheduled
-        token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids)
+        token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids) if batch.seqs else []
         finished = []
         now = time.perf_counter()
         for seq, token_id in zip(batch.seqs, token_ids):
@@ -181,6 +205,16 @@ class LLMEngine:
         stats.host_s = scheduled - start + self.runner.last_prepare_s + time.perf_counter() - now
         self._record(stats)
         return finished, stats
+
+    def _collect_compression(self, wait: bool) -> None:
+        """Finish the in-flight compression batch if it is done (or, with ``wait``, once it is)."""
+        if self._in_flight is None:
+            return
+        handle, tasks = self._in_flight
+        if not self.runner.compression_done(handle, wait):
+            return
+        self.scheduler.finish_compressions(tasks)
+        self._in_flight = None
 
     def _record(self, step: StepStats) -> None:
         es, bm = self.stats, self.block_manager

@@ -1,9 +1,26 @@
-"""What runs each step: admission (prefill), decode, preemption.
+"""What runs each step: admission (prefill), decode, compression, preemption.
 
 The scheduler decides *which* requests run; the block manager decides *where*
 their KV lives. A step is either one batched prefill of newly admitted requests
-or one decode step of every running request (prefill goes first, as in vLLM's
+or one decode step of the running requests (prefill goes first, as in vLLM's
 default scheduling without chunked prefill).
+
+With compression, a decode step also plans compactions (``compression/planner.py``)
+and follows the hybrid scheduling of Compressed PagedAttention:
+
+- ``M`` query slots save window queries. Free slots go to running requests in
+  admission order. A request without one decodes only while its next token lies
+  before the window of its next compression; past that it waits for a slot.
+- When no slot is free, a waiting request is admitted only if it can decode
+  without one.
+- A request being compressed asynchronously skips decode steps until its
+  compaction is done; at most one compression batch is in flight.
+- When blocks run out, the newest running request that holds no slot and is not
+  being compressed is preempted (recomputed later). With no such request the one
+  that needed a block waits this step ("restricted" mode).
+
+Without hybrid scheduling every running request holds a slot and preemption takes
+the newest running request not being compressed, possibly the requester itself.
 """
 
 from __future__ import annotations
@@ -23,7 +40,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     is_prefill: bool
     preempted: list[Sequence] = field(default_factory=list)
-    compressions: list[CompressionTask] = field(default_factory=list)  # run before the forward
+    compressions: list[CompressionTask] = field(default_factory=list)  # launched before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -35,15 +52,19 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 compression: CompressionConfig | None = None):
+                 compression: CompressionConfig | None = None, num_query_slots: int = 0):
         self.config = config
         self.block_manager = block_manager
         self.compression = compression
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: newest last
         self.num_preemptions = 0
-        # Query-cache rows: every running request saves its window queries.
-        self.free_query_slots = list(range(config.max_num_seqs)) if compression else []
+        self.free_query_slots = list(range(num_query_slots))[::-1]
+        self.compression_in_flight = False  # set by the engine while an asynchronous batch runs
+        if compression is not None:
+            self.hybrid = compression.hybrid
+            self.asynchronous = compression.asynchronous
+            self.slotless_limit = compression.slotless_limit(block_manager.block_size)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -52,12 +73,33 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        """Pick the next step's batch, or ``None`` when nothing is left to run."""
+        """Pick the next step's work, or ``None`` when nothing can run this step."""
+        self._hand_out_query_slots()
         batch = self._schedule_prefill()
         if batch is None:
             batch = self._schedule_decode()
-        return batch if batch.seqs else None
+        return batch if batch.seqs or batch.compressions else None
 
+    # -- query slots ----------------------------------------------------------
+    def _hand_out_query_slots(self) -> None:
+        if self.compression is None:
+            return
+        for seq in self.running:
+            if not self.free_query_slots:
+                return
+            if seq.query_slot is None:
+                seq.query_slot = self.free_query_slots.pop()
+
+    def _release_query_slot(self, seq: Sequence) -> None:
+        if seq.query_slot is not None:
+            self.free_query_slots.append(seq.query_slot)
+            seq.query_slot = None
+
+    def _may_run_without_slot(self, kv_len: int) -> bool:
+        """Whether a request with ``kv_len`` cached tokens can cache the next one without a slot."""
+        return self.hybrid and kv_len < self.slotless_limit
+
+    # -- prefill --------------------------------------------------------------
     def _schedule_prefill(self) -> ScheduledBatch | None:
         bm, budget = self.block_manager, self.config.max_num_batched_tokens
         admitted: list[Sequence] = []
@@ -66,11 +108,14 @@ class Scheduler:
             new_tokens = seq.num_tokens - bm.cached_prefix_tokens(seq)
             if (new_tokens > budget and admitted) or not bm.can_allocate(seq):
                 break
+            if (self.compression is not None and not self.free_query_slots
+                    and not self._may_run_without_slot(seq.num_tokens)):
+                break  # its prompt reaches into a compression window: it needs a slot
             bm.allocate(seq)
             budget -= new_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            if self.compression is not None:
+            if self.compression is not None and self.free_query_slots:
                 seq.query_slot = self.free_query_slots.pop()
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.perf_counter()
@@ -78,37 +123,71 @@ class Scheduler:
             admitted.append(seq)
         return ScheduledBatch(admitted, is_prefill=True) if admitted else None
 
+    # -- decode ---------------------------------------------------------------
+    def _victim(self) -> Sequence | None:
+        """The request to preempt: the newest that may be recomputed."""
+        for seq in reversed(self.running):
+            if seq.compressing:
+                continue  # its blocks are being compacted
+            if self.compression is not None and self.hybrid and seq.query_slot is not None:
+                continue  # slot holders are the ones the budget is reserved for
+            return seq
+        return None
+
     def _schedule_decode(self) -> ScheduledBatch:
         bm, compression = self.block_manager, self.compression
         batch, preempted = [], []
         tasks: dict[Sequence, CompressionTask] = {}
+        batch_blocks = 0  # source blocks of the compression batch being formed
 
         def make_room(seq, has_room) -> bool:
-            """Preempt the newest requests until ``has_room()``; False if ``seq`` itself went."""
+            """Preempt until ``has_room()``; False if ``seq`` must wait (or was itself preempted)."""
             while not has_room():
-                victim = self.running[-1]  # recompute the newest request later
+                victim = self._victim()
+                if victim is None:
+                    return False  # restricted mode: wait for blocks to come back
                 self.preempt(victim)
                 preempted.append(victim)
-                tasks.pop(victim, None)  # its planned compaction must not run
+                tasks.pop(victim, None)  # a planned synchronous compaction must not run
                 if victim is seq:
                     return False
             return True
 
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or seq.compressing:
+                continue  # preempted earlier in this loop, or being compressed
             if compression is not None and needs_compression(seq, bm, compression):
+                if seq.query_slot is None:
+                    continue  # a guard: without a slot a request stops before this point
+                blocks = len(seq.block_table)
+                if self.asynchronous and (self.compression_in_flight
+                                          or batch_blocks + blocks > compression.max_blocks_per_compression):
+                    continue  # waits for the next compression batch
                 if not make_room(seq, lambda: bm.can_compact(seq, compression.max_blocks_per_seq - 1)):
                     continue
-                tasks[seq] = plan_compression(seq, bm, compression)
+                tasks[seq] = plan_compression(seq, bm, compression, asynchronous=self.asynchronous)
+                batch_blocks += blocks
+                if self.asynchronous:
+                    seq.compressing = True
+                    continue  # rejoins decoding once its compaction is done
+            elif compression is not None and seq.query_slot is None and not self._may_run_without_slot(seq.kv_len):
+                continue  # its next token is in a compression window: waits for a slot
             if make_room(seq, lambda: bm.can_append(seq)):
                 bm.append_slot(seq)
                 batch.append(seq)
-        return ScheduledBatch(batch, is_prefill=False, preempted=preempted,
-                              compressions=list(tasks.values()))
+        return ScheduledBatch(batch, is_prefill=False, preempted=preempted, compressions=list(tasks.values()))
+
+    # -- lifecycle ------------------------------------------------------------
+    def finish_compressions(self, tasks: list[CompressionTask]) -> None:
+        """An asynchronous compression batch is done: release its sources, resume its requests."""
+        for task in tasks:
+            self.block_manager.release(task.pending_release)
+            task.seq.compressing = False
+        self.compression_in_flight = False
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and put it first in line; it is recomputed on readmission."""
+        assert not seq.compressing, f"{seq} is being compressed"
         self.running.remove(seq)
         self.block_manager.free(seq)
         self._release_query_slot(seq)
@@ -120,6 +199,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """Mark ``seq`` finished and release its blocks (running or waiting)."""
+        assert not seq.compressing, f"{seq} is being compressed"
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -130,8 +210,3 @@ class Scheduler:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         seq.metrics.finished_time = time.perf_counter()
-
-    def _release_query_slot(self, seq: Sequence) -> None:
-        if seq.query_slot is not None:
-            self.free_query_slots.append(seq.query_slot)
-            seq.query_slot = None

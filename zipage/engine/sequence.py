@@ -42,6 +42,7 @@ class Sequence:
         self.kv_is_token_prefix = True  # False once compaction reorders the cache: no prefix caching
         # compression state
         self.query_slot: int | None = None  # row of the query cache saving its window queries
+        self.compressing = False  # an asynchronous compaction of its cache is in flight
         self.num_scored_tokens = 0  # leading cached tokens carrying a history score
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -41,11 +41,11 @@ class HostBuffer:
 
 
 class InputBuilder:
-    def __init__(self, device: torch.device, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_blocks_per_seq: int, window: int | None = None):
+    def __init__(self, device: torch.device, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_blocks_per_seq: int, window: int | None = None, num_query_slots: int = 0):
         self.device, self.block_size = device, block_size
-        self.window = window  # compression: each request saves the queries of its last `window` tokens
-        self.no_query_row = max_num_seqs * window if window else -1  # the query cache's spare row
+        self.window = window  # compression: requests with a slot save the queries of their last `window` tokens
+        self.no_query_row = num_query_slots * window if window else -1  # the query cache's spare row
         tokens = max(max_num_batched_tokens, max_num_seqs)
         self.query_slots = HostBuffer((tokens,), torch.int64, device)
         self.input_ids = HostBuffer((tokens,), torch.int64, device)
@@ -79,8 +79,9 @@ class InputBuilder:
             if self.window:
                 rows = self.query_slots.np[n:n + q_len]
                 rows[:] = self.no_query_row
-                tail = pos >= end - self.window
-                rows[tail] = seq.query_slot * self.window + pos[tail] % self.window
+                if seq.query_slot is not None:
+                    tail = pos >= end - self.window
+                    rows[tail] = seq.query_slot * self.window + pos[tail] % self.window
             n += q_len
             cu[i + 1] = n
             max_q = max(max_q, q_len)
@@ -108,7 +109,8 @@ class InputBuilder:
         query_slots = None
         if self.window:
             w = self.window
-            self.query_slots.np[:b] = [s.query_slot * w + (s.num_tokens - 1) % w for s in seqs]
+            self.query_slots.np[:b] = [self.no_query_row if s.query_slot is None
+                                       else s.query_slot * w + (s.num_tokens - 1) % w for s in seqs]
             query_slots = self.query_slots.to_device(b)
         meta = AttentionMetadata(
             is_prefill=False, slot_mapping=self.slot_mapping.to_device(b),

@@ -25,9 +25,16 @@ def gpu_kv_budget(device: torch.device, utilization: float) -> int:
     return int(total * utilization - used_by_all - peak_extra)
 
 
-def num_kv_blocks(spec, cache_config, dtype: torch.dtype, device: torch.device,
-                  needed_blocks: int, with_scores: bool = False) -> int:
-    """How many blocks the cache gets: an explicit budget, the GPU's free memory, or 1 GiB on CPU."""
+def plan_cache(spec, cache_config, compression, dtype: torch.dtype, device: torch.device,
+               max_num_seqs: int, max_blocks_per_seq: int) -> tuple[int, int]:
+    """(KV blocks, query slots) from an explicit budget, the GPU's free memory, or 1 GiB on CPU.
+
+    With compression the budget also pays for the query cache and the history scores.
+    With hybrid scheduling the number of query slots M is what the budget affords at
+    one slot plus N blocks per request; the blocks beyond M * N serve requests without
+    a slot. Otherwise every running request gets a slot.
+    """
+    with_scores = compression is not None and compression.global_score_decay is not None
     per_block = bytes_per_block(spec, cache_config.block_size, dtype, with_scores)
     if cache_config.kv_cache_memory_bytes is not None:
         budget = cache_config.kv_cache_memory_bytes
@@ -35,15 +42,30 @@ def num_kv_blocks(spec, cache_config, dtype: torch.dtype, device: torch.device,
         budget = gpu_kv_budget(device, cache_config.gpu_memory_utilization)
     else:
         budget = DEFAULT_CPU_KV_BYTES
+    slots = 0
+    if compression is not None:
+        per_slot = spec.num_layers * compression.window * spec.num_heads * spec.head_dim * dtype.itemsize
+        if compression.query_slots is not None:
+            slots = compression.query_slots
+        elif compression.hybrid:
+            slots = budget // (compression.max_blocks_per_seq * per_block + per_slot)
+        else:
+            slots = max_num_seqs
+        slots = min(slots, max_num_seqs)
+        if slots < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes cannot hold one request at the compression "
+                             f"budget ({compression.max_blocks_per_seq} blocks of {per_block} bytes and a query "
+                             "slot); raise gpu_memory_utilization or kv_cache_memory_bytes")
+        budget -= slots * per_slot
     blocks = budget // per_block
     if device.type == "cpu":  # no use in reserving more than every request at full length needs
-        blocks = min(blocks, needed_blocks)
+        blocks = min(blocks, max_num_seqs * max_blocks_per_seq)
     if blocks < 1:
         raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
                          "raise gpu_memory_utilization or kv_cache_memory_bytes, or lower block_size")
-    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, cache_config.block_size,
-                blocks * per_block / 2**30)
-    return int(blocks)
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d query slots", blocks, cache_config.block_size,
+                blocks * per_block / 2**30, slots)
+    return int(blocks), int(slots)
 
 
 def allocate_query_cache(model, num_slots: int, window: int, dtype, device) -> torch.Tensor:

@@ -21,8 +21,7 @@ from zipage.models.registry import build_model
 from zipage.runner.cuda_graph import DecodeGraphs
 from zipage.runner.inputs import InputBuilder, sampling_tensors
 from zipage.compression.executor import Compressor
-from zipage.runner.kv_cache import (allocate_kv_cache, allocate_query_cache, allocate_score_cache,
-                                     num_kv_blocks)
+from zipage.runner.kv_cache import allocate_kv_cache, allocate_query_cache, allocate_score_cache, plan_cache
 from zipage.utils.loader import init_dummy_weights, load_weights
 
 logger = logging.getLogger(__name__)
@@ -73,25 +72,25 @@ class ModelRunner:
         self.sampler = Sampler()
         compression = config.compression
         window = compression.window if compression else None
-        self.inputs = InputBuilder(self.device, self.block_size, sched.max_num_seqs,
-                                   sched.max_num_batched_tokens, self.max_blocks_per_seq, window)
         if self.device.type == "cuda":
             self._profile_peak_activation()
-        with_scores = compression is not None and compression.global_score_decay is not None
-        if compression is not None:  # the query cache comes first: the KV cache gets what is left
-            self.query_cache = allocate_query_cache(self.model, sched.max_num_seqs, window, self.dtype,
+        self.num_blocks, self.num_query_slots = plan_cache(
+            self.spec, cache, compression, self.dtype, self.device, sched.max_num_seqs, self.max_blocks_per_seq)
+        self.inputs = InputBuilder(self.device, self.block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
+                                   self.max_blocks_per_seq, window, self.num_query_slots)
+        if compression is not None:
+            self.query_cache = allocate_query_cache(self.model, self.num_query_slots, window, self.dtype,
                                                     self.device)
-        needed = sched.max_num_seqs * self.max_blocks_per_seq
-        self.num_blocks = num_kv_blocks(self.spec, cache, self.dtype, self.device, needed, with_scores)
         self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
         self.compressor = None
         if compression is not None:
             score_cache = None
-            if with_scores:
+            if compression.global_score_decay is not None:
                 score_cache = allocate_score_cache(self.spec, self.num_blocks, self.block_size, self.device)
             self.compressor = Compressor(compression, self.kv_cache, score_cache, self.query_cache,
                                          self.spec.head_dim ** -0.5, self.block_size)
         self.last_prepare_s = 0.0  # host time of the last step's input preparation
+        self.compression_stream = None
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, sched.max_num_seqs, self.max_blocks_per_seq, self.device,
@@ -123,6 +122,33 @@ class ModelRunner:
     def compress(self, tasks) -> None:
         """Compact the planned requests' caches (before this step's forward writes anything)."""
         self.compressor.run(tasks)
+
+    def start_compression(self, tasks):
+        """Launch a compaction that overlaps the following decode steps.
+
+        On CUDA it runs on its own stream after the work already queued; the returned
+        event tells when it is done. On the CPU it runs inline (returns ``None``).
+        """
+        if self.device.type != "cuda":
+            self.compressor.run(tasks)
+            return None
+        if self.compression_stream is None:
+            self.compression_stream = torch.cuda.Stream(self.device)
+        self.compression_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.compression_stream):
+            self.compressor.run(tasks)
+            done = torch.cuda.Event()
+            done.record()
+        return done
+
+    @staticmethod
+    def compression_done(handle, wait: bool = False) -> bool:
+        if handle is None:
+            return True
+        if wait:
+            handle.synchronize()
+            return True
+        return handle.query()
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int]) -> list[int]:
