@@ -17,10 +17,15 @@ and follows the hybrid scheduling of Compressed PagedAttention:
   compaction is done; at most one compression batch is in flight.
 - When blocks run out, the newest running request that holds no slot and is not
   being compressed is preempted (recomputed later). With no such request the one
-  that needed a block waits this step ("restricted" mode).
+  that needed a block waits this step ("restricted" mode). Should no request at
+  all make progress in a step (slot holders all waiting on blocks that only
+  another slot holder could free, as when they share a long prompt's blocks), the
+  step is planned again with slot holders allowed as victims.
+- Only a request whose tokens fit the cache when recomputed is ever preempted.
 
-Without hybrid scheduling every running request holds a slot and preemption takes
-the newest running request not being compressed, possibly the requester itself.
+Without hybrid scheduling every running request holds a slot (at most M run), and
+preemption takes the newest running request not being compressed, possibly the
+requester itself.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class Scheduler:
                  compression: CompressionConfig | None = None, num_query_slots: int = 0):
         self.config = config
         self.block_manager = block_manager
+        # A preempted request is recomputed from all its tokens: it must fit the cache alone.
+        self.max_recompute_tokens = block_manager.num_blocks * block_manager.block_size
         self.compression = compression
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: newest last
@@ -78,6 +85,11 @@ class Scheduler:
         batch = self._schedule_prefill()
         if batch is None:
             batch = self._schedule_decode()
+            if (not batch.seqs and not batch.compressions and not self.compression_in_flight
+                    and self.running and self.compression is not None and self.hybrid):
+                earlier = batch.preempted  # nobody could move: slot holders may go too
+                batch = self._schedule_decode(last_resort=True)
+                batch.preempted = earlier + batch.preempted
         return batch if batch.seqs or batch.compressions else None
 
     # -- query slots ----------------------------------------------------------
@@ -124,17 +136,17 @@ class Scheduler:
         return ScheduledBatch(admitted, is_prefill=True) if admitted else None
 
     # -- decode ---------------------------------------------------------------
-    def _victim(self) -> Sequence | None:
+    def _victim(self, last_resort: bool) -> Sequence | None:
         """The request to preempt: the newest that may be recomputed."""
         for seq in reversed(self.running):
-            if seq.compressing:
-                continue  # its blocks are being compacted
-            if self.compression is not None and self.hybrid and seq.query_slot is not None:
+            if seq.compressing or seq.num_tokens > self.max_recompute_tokens:
+                continue  # its blocks are being compacted, or it could never be readmitted
+            if self.compression is not None and self.hybrid and seq.query_slot is not None and not last_resort:
                 continue  # slot holders are the ones the budget is reserved for
             return seq
         return None
 
-    def _schedule_decode(self) -> ScheduledBatch:
+    def _schedule_decode(self, last_resort: bool = False) -> ScheduledBatch:
         bm, compression = self.block_manager, self.compression
         batch, preempted = [], []
         tasks: dict[Sequence, CompressionTask] = {}
@@ -143,7 +155,7 @@ class Scheduler:
         def make_room(seq, has_room) -> bool:
             """Preempt until ``has_room()``; False if ``seq`` must wait (or was itself preempted)."""
             while not has_room():
-                victim = self._victim()
+                victim = self._victim(last_resort)
                 if victim is None:
                     return False  # restricted mode: wait for blocks to come back
                 self.preempt(victim)
@@ -160,9 +172,9 @@ class Scheduler:
                 if seq.query_slot is None:
                     continue  # a guard: without a slot a request stops before this point
                 blocks = len(seq.block_table)
-                if self.asynchronous and (self.compression_in_flight
-                                          or batch_blocks + blocks > compression.max_blocks_per_compression):
-                    continue  # waits for the next compression batch
+                if self.asynchronous and (self.compression_in_flight or (
+                        batch_blocks and batch_blocks + blocks > compression.max_blocks_per_compression)):
+                    continue  # waits for the next compression batch (a lone request always fits)
                 if not make_room(seq, lambda: bm.can_compact(seq, compression.max_blocks_per_seq - 1)):
                     continue
                 tasks[seq] = plan_compression(seq, bm, compression, asynchronous=self.asynchronous)

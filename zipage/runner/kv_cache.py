@@ -30,9 +30,9 @@ def plan_cache(spec, cache_config, compression, dtype: torch.dtype, device: torc
     """(KV blocks, query slots) from an explicit budget, the GPU's free memory, or 1 GiB on CPU.
 
     With compression the budget also pays for the query cache and the history scores.
-    With hybrid scheduling the number of query slots M is what the budget affords at
-    one slot plus N blocks per request; the blocks beyond M * N serve requests without
-    a slot. Otherwise every running request gets a slot.
+    The number of query slots M is what the budget affords at one slot plus N blocks
+    per request, so M requests at full budget always fit; with hybrid scheduling the
+    blocks beyond M * N also serve requests without a slot.
     """
     with_scores = compression is not None and compression.global_score_decay is not None
     per_block = bytes_per_block(spec, cache_config.block_size, dtype, with_scores)
@@ -47,10 +47,8 @@ def plan_cache(spec, cache_config, compression, dtype: torch.dtype, device: torc
         per_slot = spec.num_layers * compression.window * spec.num_heads * spec.head_dim * dtype.itemsize
         if compression.query_slots is not None:
             slots = compression.query_slots
-        elif compression.hybrid:
-            slots = budget // (compression.max_blocks_per_seq * per_block + per_slot)
         else:
-            slots = max_num_seqs
+            slots = budget // (compression.max_blocks_per_seq * per_block + per_slot)
         slots = min(slots, max_num_seqs)
         if slots < 1:
             raise ValueError(f"KV cache budget of {budget} bytes cannot hold one request at the compression "
