@@ -31,6 +31,7 @@ class StepStats:
     num_preempted: int
     num_compressed: int = 0
     num_running: int = 0  # running requests once the step was scheduled
+    kv_tokens: int = 0  # decode: cached tokens the step's attention read (the sum of context lengths)
     compression_s: float = 0.0  # wall time of this step's (synchronous) compression
     host_s: float = 0.0  # CPU time of the step outside the model and sampler (scheduling, inputs, outputs)
 
@@ -184,6 +185,8 @@ class LLMEngine:
                 self.runner.compress(batch.compressions)
             stats.compression_s = time.perf_counter() - scheduled
         token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids) if batch.seqs else []
+        if not batch.is_prefill:
+            stats.kv_tokens = sum(seq.kv_len for seq in batch.seqs) + len(batch.seqs)
         finished = []
         now = time.perf_counter()
         for seq, token_id in zip(batch.seqs, token_ids):

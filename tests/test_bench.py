@@ -1,0 +1,39 @@
+"""Smoke tests: the benchmarks run end to end on the CPU with a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+from zipage.cli import main as cli_main
+
+
+def test_throughput_benchmark_small_scale_writes_results(tmp_path):
+    out = tmp_path / "throughput"
+    code = cli_main(["bench", "throughput", "--shape", "tiny", "--scale", "small", "--device", "cpu",
+                     "--hf-requests", "2", "--out", str(out)])
+    assert code == 0
+    result = json.loads((out / "throughput.json").read_text())
+    assert result["benchmark"] == "throughput" and result["workload"]["name"] == "reasoning-8k"
+    for mode in ("full", "zipage"):
+        metrics = result["modes"][mode]
+        assert metrics["output_tokens"] == result["workload"]["output_tokens"]  # ignore_eos: all of them
+        assert metrics["tokens_per_s"] > 0 and 0 < metrics["peak_block_occupancy"] <= 1
+        assert len(result["timelines"][mode]) > 0
+    assert result["modes"]["zipage"]["num_compressions"] > 0
+    assert result["modes"]["full"]["num_compressions"] == 0
+    assert result["hf_generate"]["tokens_per_s"] > 0 and "zipage_over_full" in result["ratios"]
+    assert (out / "throughput.png").stat().st_size > 10_000
+
+
+def test_throughput_workloads_are_seeded_and_long_tailed():
+    from zipage.bench.workloads import make_workload
+
+    a = make_workload("reasoning-8k", 200, 1, 1000, seed=3)
+    b = make_workload("reasoning-8k", 200, 1, 1000, seed=3)
+    assert [(r.prompt, r.max_tokens) for r in a] == [(r.prompt, r.max_tokens) for r in b]
+    lengths = sorted(r.max_tokens for r in a)
+    assert 6000 < sum(lengths) / len(lengths) < 9000  # mean about 8K after the cap
+    assert max(lengths) <= 16384 and lengths[len(lengths) // 2] < sum(lengths) / len(lengths)  # long tail
+    assert all(128 <= len(r.prompt) <= 1024 for r in a)
+    shared = make_workload("reasoning-16k", 3, 4, 1000, seed=1)
+    assert len(shared) == 12 and shared[0].prompt == shared[3].prompt

@@ -1,0 +1,271 @@
+"""``zipage bench throughput``: a long-reasoning workload through full KV and Zipage.
+
+The same seeded workload runs through the engine in each mode (and a few of its
+requests through HuggingFace ``generate``), with the same KV cache size. Per step
+the engine reports what it did; from that come tokens/s, running requests,
+block occupancy, compression share, host time, and a roofline: each decode step
+must at least move the weights once and every running request's KV, at the
+measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import time
+
+import torch
+
+from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S, model_dir_for, print_table, write_json
+from zipage.bench.workloads import WORKLOADS, make_workload, mean_request_tokens
+
+# The KV cache of the standard run: 48 GB of Qwen3-8B KV (144 KiB per token), an 80 GB-class
+# card holding an 8B model, as in the paper. Scaled runs scale it with the lengths.
+STANDARD_CACHE_TOKENS = 48 * 10**9 // (144 * 1024)
+
+PRESETS = {  # --scale name -> settings for a run that fits a CPU or one short device call
+    "small": dict(scale=1 / 64, block_size=16, budget=64, window=8, hf_max_tokens=32),
+    "medium": dict(scale=1 / 8, block_size=64, budget=512, window=16, hf_max_tokens=128),
+}
+
+
+def add_throughput_parser(sub) -> None:
+    p = sub.add_parser("throughput", help="long-reasoning throughput: full KV against Zipage")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: --shape with random weights)")
+    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--arch", default="qwen3")
+    p.add_argument("--workload", default="reasoning-8k", choices=sorted(WORKLOADS))
+    p.add_argument("--scale", default="1", help="shrink lengths and cache: a factor, or 'small' / 'medium'")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="default: enough that peak KV demand is twice the cache")
+    p.add_argument("--samples-per-prompt", type=int, default=1)
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help=f"KV cache size in tokens (default {STANDARD_CACHE_TOKENS} x scale)")
+    p.add_argument("--whole-gpu", action="store_true", help="no cache cap: use gpu_memory_utilization")
+    p.add_argument("--modes", default="full,zipage")
+    p.add_argument("--budget", type=int, default=None, help="Zipage kv_budget_tokens (default 2048)")
+    p.add_argument("--block-size", type=int, default=None, help="default 256")
+    p.add_argument("--window", type=int, default=None, help="default 16")
+    p.add_argument("--redundancy", default="lightning", choices=["lightning", "raw", "off"])
+    p.add_argument("--asynchronous", action="store_true", help="compress on a side CUDA stream")
+    p.add_argument("--no-hybrid", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--hf-requests", type=int, default=4, help="requests run through transformers (0: none)")
+    p.add_argument("--hf-max-tokens", type=int, default=None, help="their output cap (default 256)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="directory for throughput.json and throughput.png")
+    p.set_defaults(func=run_throughput_bench)
+
+
+def _settings(args) -> dict:
+    preset = PRESETS.get(args.scale, {})
+    scale = preset.get("scale") or float(args.scale)
+    pick = {k: getattr(args, k) for k in ("block_size", "budget", "window", "hf_max_tokens")}
+    defaults = dict(block_size=256, budget=2048, window=16, hf_max_tokens=256)
+    return dict(scale=scale, **{k: v if v is not None else preset.get(k, defaults[k]) for k, v in pick.items()})
+
+
+def _kv_bytes_per_token(spec, dtype) -> int:
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+
+
+def _weight_bytes(model) -> int:
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    return total - (embed.numel() * embed.element_size() if embed is not model.lm_head.weight else 0)
+
+
+def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, requests, cache_tokens) -> dict:
+    """Serve ``requests`` in one mode; return its metrics and per-step timeline."""
+    from zipage import LLM, CompressionConfig, SamplingParams
+
+    compression = None
+    if mode == "zipage":
+        compression = CompressionConfig(kv_budget_tokens=settings["budget"], window=settings["window"],
+                                        redundancy=args.redundancy, asynchronous=args.asynchronous,
+                                        hybrid=not args.no_hybrid)
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    kwargs = dict(load_format=load_format, device=args.device, block_size=settings["block_size"],
+                  max_num_seqs=args.max_num_seqs, max_model_len=longest + 1, compression=compression,
+                  enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+                  seed=args.seed)
+    probe_dtype = torch.bfloat16 if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu" \
+        else torch.float32
+    if not args.whole_gpu:
+        from zipage.models.registry import spec_from_config
+        from zipage.utils.loader import load_config
+        spec = spec_from_config(load_config(model_dir))
+        kwargs["kv_cache_memory_bytes"] = cache_tokens * _kv_bytes_per_token(spec, probe_dtype)
+    llm = LLM(model_dir, **kwargs)
+    engine, runner = llm.engine, llm.engine.runner
+    kv_per_token = _kv_bytes_per_token(runner.spec, runner.dtype)
+    weight_bytes = _weight_bytes(runner.model)
+    for i, r in enumerate(requests):
+        engine.add_request(r.prompt, SamplingParams(temperature=args.temperature, max_tokens=r.max_tokens,
+                                                    ignore_eos=True, seed=args.seed * 1_000_003 + i))
+    timeline, outputs = [], 0
+    bm = engine.block_manager
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
+        finished, stats = engine.step()
+        now = time.perf_counter()
+        outputs += sum(len(o.outputs[0].token_ids) for o in finished)
+        timeline.append(dict(t=now - start, dt=now - step_start, prefill=stats.is_prefill, seqs=stats.num_seqs,
+                             tokens=stats.num_tokens, host_s=stats.host_s, compression_s=stats.compression_s,
+                             kv_tokens=stats.kv_tokens, running=stats.num_running,
+                             blocks=bm.num_blocks - bm.num_free_blocks))
+    wall = time.perf_counter() - start
+    decode = [s for s in timeline if not s["prefill"] and s["seqs"]]
+    bound = [(weight_bytes + s["kv_tokens"] * kv_per_token) / COPY_BANDWIDTH_BYTES_PER_S for s in decode]
+    decode_time = sum(s["dt"] for s in decode)
+    busiest = max((s["seqs"] for s in decode), default=0)
+    steady = [(b, s) for b, s in zip(bound, decode) if s["seqs"] >= 0.8 * busiest]
+    total_time = sum(s["dt"] for s in timeline) or 1e-9
+    host = sorted(s["host_s"] for s in decode)
+    metrics = dict(
+        mode=mode, requests=len(requests), output_tokens=outputs, wall_s=wall,
+        tokens_per_s=outputs / wall, requests_per_s=len(requests) / wall,
+        mean_running=sum(s["running"] * s["dt"] for s in timeline) / total_time,
+        peak_running=max(s["running"] for s in timeline), num_blocks=bm.num_blocks,
+        mean_block_occupancy=sum(s["blocks"] * s["dt"] for s in timeline) / total_time / bm.num_blocks,
+        peak_block_occupancy=max(s["blocks"] for s in timeline) / bm.num_blocks,
+        compression_share=sum(s["compression_s"] for s in timeline) / wall,
+        num_compressions=engine.stats.num_compressions,
+        host_ms_per_decode_step=1000 * host[len(host) // 2] if host else None,
+        decode_share=decode_time / wall,
+        roofline_fraction=sum(bound) / decode_time if decode_time else None,
+        steady_roofline_fraction=(sum(b for b, _ in steady) / sum(s["dt"] for _, s in steady)) if steady else None,
+        roofline_tokens_per_s=sum(s["seqs"] for s in decode) / sum(bound) if bound else None,
+        query_slots=runner.num_query_slots)
+    del llm, engine, runner
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return dict(metrics=metrics, timeline=timeline)
+
+
+def run_hf(args, settings, model_dir, load_format, requests) -> dict | None:
+    """Tokens/s of transformers' ``generate`` on a few requests (same shape; random weights if dummy)."""
+    if not args.hf_requests:
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if load_format == "dummy":
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    model.eval()
+    subset = requests[:args.hf_requests]
+    new_tokens = min(settings["hf_max_tokens"], min(r.max_tokens for r in subset))
+    width = max(len(r.prompt) for r in subset)
+    ids = torch.zeros(len(subset), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(subset):  # left padding
+        ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+        mask[i, width - len(r.prompt):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=args.temperature,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    generated = (out.shape[1] - width) * len(subset)
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return dict(requests=len(subset), new_tokens_each=new_tokens, tokens_per_s=generated / elapsed)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
+    for mode, run in results.items():
+        timeline = run["timeline"]
+        if not timeline:
+            continue
+        end = timeline[-1]["t"]
+        bins = max(1, min(100, len(timeline) // 5))
+        width = end / bins or 1.0
+        produced = [0.0] * bins
+        for s in timeline:
+            produced[min(bins - 1, int(s["t"] / width))] += s["seqs"]  # one token per request per step
+        centres = [(i + 0.5) * width for i in range(bins)]
+        axes[0].plot(centres, [p / width for p in produced], label=mode)
+        axes[1].plot([s["t"] for s in timeline], [s["running"] for s in timeline], label=mode)
+        num_blocks = run["metrics"]["num_blocks"]
+        axes[2].plot([s["t"] for s in timeline], [100 * s["blocks"] / num_blocks for s in timeline], label=mode)
+    axes[0].set_ylabel("tokens/s")
+    axes[1].set_ylabel("running requests")
+    axes[2].set_ylabel("KV blocks in use (%)")
+    axes[2].set_xlabel("seconds")
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_throughput_bench(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    scale = settings["scale"]
+    model_dir, load_format = model_dir_for(args.model, args.shape, args.arch)
+    from zipage.utils.loader import load_config
+    vocab = load_config(model_dir).vocab_size
+    cache_tokens = args.kv_cache_tokens or int(STANDARD_CACHE_TOKENS * scale)
+    count = args.num_requests or math.ceil(2 * cache_tokens / mean_request_tokens(args.workload, scale))
+    num_prompts = math.ceil(count / args.samples_per_prompt)
+    requests = make_workload(args.workload, num_prompts, args.samples_per_prompt, vocab, args.seed, scale)
+    print(f"{args.workload} x{scale:g}: {len(requests)} requests, {sum(r.max_tokens for r in requests)} output "
+          f"tokens; KV cache {'whole GPU' if args.whole_gpu else f'{cache_tokens} tokens'}")
+
+    results = {mode: run_mode(mode, args, settings, model_dir, load_format, requests, cache_tokens)
+               for mode in args.modes.split(",")}
+    hf = run_hf(args, settings, model_dir, load_format, requests)
+    rows = [r["metrics"] for r in results.values()]
+    columns = ["mode", "tokens_per_s", "requests_per_s", "mean_running", "peak_running", "mean_block_occupancy",
+               "compression_share", "host_ms_per_decode_step", "steady_roofline_fraction", "roofline_tokens_per_s"]
+    print()
+    print_table(rows, columns)
+    ratios = {}
+    if "full" in results and "zipage" in results:
+        ratios["zipage_over_full"] = (results["zipage"]["metrics"]["tokens_per_s"]
+                                      / results["full"]["metrics"]["tokens_per_s"])
+    if hf:
+        for mode, run in results.items():
+            ratios[f"{mode}_over_hf"] = run["metrics"]["tokens_per_s"] / hf["tokens_per_s"]
+        print(f"transformers generate: {hf['tokens_per_s']:.1f} tokens/s ({hf['requests']} requests)")
+    print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        plot(results, os.path.join(args.out, "throughput.png"))
+        lengths = [r.max_tokens for r in requests]
+        write_json(os.path.join(args.out, "throughput.json"), dict(
+            benchmark="throughput", model=args.model or args.shape, settings=settings,
+            workload=dict(name=args.workload, seed=args.seed, scale=scale, requests=len(requests),
+                          samples_per_prompt=args.samples_per_prompt, cache_tokens=cache_tokens,
+                          output_tokens=sum(lengths), mean_output=sum(lengths) / len(lengths),
+                          max_output=max(lengths),
+                          mean_prompt=sum(len(r.prompt) for r in requests) / len(requests)),
+            options=dict(asynchronous=args.asynchronous, hybrid=not args.no_hybrid,
+                         prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+                         redundancy=args.redundancy, temperature=args.temperature),
+            modes={m: r["metrics"] for m, r in results.items()}, hf_generate=hf, ratios=ratios,
+            timelines={m: r["timeline"] for m, r in results.items()}))
+    return 0
