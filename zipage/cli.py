@@ -1,4 +1,4 @@
-"""Command line: ``zipage generate | demo | bench``."""
+"""Command line: ``zipage generate | demo | bench | serve``."""
 
 from __future__ import annotations
 
@@ -85,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from zipage.bench.cli import add_bench_parser
     from zipage.demo import add_demo_parser
+    from zipage.server.cli import add_serve_parser
     add_demo_parser(sub)
     add_bench_parser(sub)
+    add_serve_parser(sub)
 
     args = parser.parse_args(argv)
     try:

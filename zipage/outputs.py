@@ -44,6 +44,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One request's result. A request added with ``stream=True`` gets one per step instead, each
+    holding only what is new: the prompt ids in its first, then the new text and token ids."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -81,6 +81,7 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._streamed: dict[str, list[int]] = {}  # streamed request id -> [text chars, token ids] returned
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -133,17 +134,21 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         return Sequence(request_id, text, token_ids, params, max_tokens, seed)
 
-    def add_sequence(self, seq: Sequence) -> None:
+    def add_sequence(self, seq: Sequence, stream: bool = False) -> None:
+        """Queue a prepared request. With ``stream``, ``step`` also returns its progress (see ``step``)."""
         self._requests[seq.request_id] = seq
         params = seq.sampling_params
-        if self.tokenizer is not None and params.stop:
+        if self.tokenizer is not None and (params.stop or stream):
             self._detokenizers[seq.request_id] = IncrementalDetokenizer(
                 self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
+        if stream:
+            self._streamed[seq.request_id] = [0, 0]
         self.scheduler.add(seq)
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    stream: bool = False) -> str:
         seq = self.prepare_request(prompt, params, request_id)
-        self.add_sequence(seq)
+        self.add_sequence(seq, stream)
         return seq.request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -160,7 +165,12 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], StepStats | None]:
-        """Run one step; return the requests that finished in it and the step's numbers."""
+        """Run one step; return the step's outputs and numbers.
+
+        The outputs are those of the requests that finished in the step and, for requests
+        added with ``stream=True``, of every request that gained a token: each such output
+        holds only what is new since its previous one (``finished`` marks the last).
+        """
         start = time.perf_counter()
         self._collect_compression(wait=False)
         batch = self.scheduler.schedule()
@@ -187,7 +197,7 @@ class LLMEngine:
         token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids) if batch.seqs else []
         if not batch.is_prefill:
             stats.kv_tokens = sum(seq.kv_len for seq in batch.seqs) + len(batch.seqs)
-        finished = []
+        outputs = []
         now = time.perf_counter()
         for seq, token_id in zip(batch.seqs, token_ids):
             if batch.is_prefill:
@@ -204,10 +214,12 @@ class LLMEngine:
             reason = self._stop_reason(seq, token_id)
             if reason is not None:
                 self.scheduler.finish(seq, *reason)
-                finished.append(self._output(seq))
+                outputs.append(self._output(seq))
+            elif seq.request_id in self._streamed:
+                outputs.append(self._partial_output(seq))
         stats.host_s = scheduled - start + self.runner.last_prepare_s + time.perf_counter() - now
         self._record(stats)
-        return finished, stats
+        return outputs, stats
 
     def _collect_compression(self, wait: bool) -> None:
         """Finish the in-flight compression batch if it is done (or, with ``wait``, once it is)."""
@@ -245,11 +257,29 @@ class LLMEngine:
             return "length", None
         return None
 
+    def _partial_output(self, seq: Sequence) -> RequestOutput:
+        """What a streamed, unfinished request produced since its previous output."""
+        sent = self._streamed[seq.request_id]
+        text = ""
+        detok = self._detokenizers.get(seq.request_id)
+        if detok is not None:
+            # Hold back what a stop string completed by later tokens could still cut off.
+            end = len(detok.text) - (max((len(s) for s in detok.stop), default=1) - 1)
+            if end > sent[0]:
+                text, sent[0] = detok.text[sent[0]:end], end
+        token_ids = seq.token_ids[seq.num_prompt_tokens + sent[1]:]
+        prompt_ids = seq.token_ids[:seq.num_prompt_tokens] if sent[1] == 0 else []
+        sent[1] += len(token_ids)
+        return RequestOutput(seq.request_id, seq.prompt, prompt_ids, [CompletionOutput(0, text, token_ids)],
+                             finished=False, metrics=seq.metrics)
+
     def _output(self, seq: Sequence) -> RequestOutput:
+        """The final output of a finished request (for a streamed one: only its new part)."""
         detok = self._detokenizers.pop(seq.request_id, None)
         self._requests.pop(seq.request_id, None)
         output_ids = seq.output_token_ids
-        if detok is not None:
+        prompt_ids = seq.token_ids[:seq.num_prompt_tokens]
+        if detok is not None and detok.stop:
             text = detok.text
         elif self.tokenizer is not None:
             ids = output_ids
@@ -258,6 +288,10 @@ class LLMEngine:
             text = self.tokenizer.decode(ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
         else:
             text = ""
+        sent = self._streamed.pop(seq.request_id, None)
+        if sent is not None:
+            text, output_ids = text[sent[0]:], output_ids[sent[1]:]
+            prompt_ids = prompt_ids if sent[1] == 0 else []
         completion = CompletionOutput(0, text, output_ids, seq.finish_reason, seq.stop_reason)
-        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
-                             finished=True, metrics=seq.metrics)
+        return RequestOutput(seq.request_id, seq.prompt, prompt_ids, [completion], finished=True,
+                             metrics=seq.metrics)

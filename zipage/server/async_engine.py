@@ -1,0 +1,294 @@
+"""The engine behind the server: one background thread steps it; requests stream out.
+
+``LLMEngine`` is not thread-safe, so only the engine thread touches it. The event
+loop hands it work as commands (add these requests, abort those) that the thread
+runs between steps, and the thread hands each step's outputs back to the loop,
+where they land in the queue of the API call that asked for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from typing import Callable
+
+from zipage.engine.llm_engine import LLMEngine
+from zipage.outputs import RequestOutput
+from zipage.sampling_params import SamplingParams
+from zipage.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloaded(Exception):
+    """More requests wait than the queue allows."""
+
+
+class EngineFailed(Exception):
+    """The engine raised while stepping; the requests in flight were aborted."""
+
+
+class Generation:
+    """The engine requests of one API call (prompts x choices) and their outputs, as they come.
+
+    Iterating yields ``(choice index, RequestOutput)`` with only the new text and tokens of
+    each step, until every request has finished.
+    """
+
+    def __init__(self, request_ids: list[str]):
+        self.request_ids = request_ids
+        self.index = {rid: i for i, rid in enumerate(request_ids)}
+        self.unfinished = set(request_ids)
+        self.num_prompt_tokens: list[int] = []  # per request, set once they are added
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def __aiter__(self):
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+            yield self.index[item.request_id], item
+
+
+class AsyncEngine:
+    """An ``LLMEngine`` stepped on its own thread, for many concurrent API calls.
+
+    ``max_queued_requests`` bounds the requests waiting beyond those the engine runs:
+    a call that finds the queue full (and every one of ``max_num_seqs`` places taken)
+    is refused with ``EngineOverloaded`` rather than queued.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
+                 max_queued_requests: int = 1024):
+        if max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        self.max_queued_requests = max_queued_requests
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Condition()
+        self._commands: list[tuple[Callable, asyncio.Future | None]] = []
+        self._stopping = False
+        self._outputs: list[RequestOutput] = []  # engine thread: to hand to the loop after this round
+        self._timing: dict[str, list] = {}  # engine thread: request id -> [arrival, last token time]
+        self._generations: dict[str, Generation] = {}  # event loop: request id -> its API call
+        self.num_running = 0  # published by the engine thread after every step
+        bm = engine.block_manager
+        self.metrics.kv_blocks_total.set(bm.num_blocks)
+
+    # -- life cycle ---------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will await the results."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="zipage-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+        self._fail_all(EngineFailed("the server is shutting down"))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- called from the event loop -------------------------------------------
+    async def call(self, fn: Callable):
+        """Run ``fn()`` on the engine thread between steps and return its result."""
+        future = self._loop.create_future()
+        self._submit(fn, future)
+        return await future
+
+    def call_threadsafe(self, fn: Callable, timeout: float = 30.0):
+        """``call`` from a thread other than the event loop's (tests, tools): block for the result."""
+        return asyncio.run_coroutine_threadsafe(self.call(fn), self._loop).result(timeout)
+
+    async def generate(self, prompts: list, params: list[SamplingParams], request_ids: list[str],
+                       add_special_tokens: bool = True) -> Generation:
+        """Add one request per prompt (all or none) and return their ``Generation``.
+
+        Raises ``ValueError`` for a bad prompt (nothing is added) and ``EngineOverloaded``
+        when the queue is full.
+        """
+        in_flight = len(self._generations)
+        waiting = in_flight - self.num_running
+        if waiting >= self.max_queued_requests and in_flight >= self.engine.config.scheduler.max_num_seqs:
+            self.metrics.rejected.inc()
+            raise EngineOverloaded(f"{waiting} requests are waiting, the most allowed "
+                                   f"(max_queued_requests={self.max_queued_requests})")
+        generation = Generation(request_ids)
+        for rid in request_ids:  # before they are added, so that no output is missed
+            self._generations[rid] = generation
+        arrival = time.perf_counter()
+
+        def add():
+            engine = self.engine
+            seqs = []
+            for prompt, sp, rid in zip(prompts, params, request_ids):
+                if isinstance(prompt, str) and not add_special_tokens and engine.tokenizer is not None:
+                    prompt = engine.tokenizer.encode(prompt, add_special_tokens=False)
+                seqs.append(engine.prepare_request(prompt, sp, rid))
+            for seq in seqs:
+                engine.add_sequence(seq, stream=True)
+                self._timing[seq.request_id] = [arrival, None]
+                self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
+            return [seq.num_prompt_tokens for seq in seqs]
+
+        try:
+            generation.num_prompt_tokens = await self.call(add)
+        except BaseException as error:
+            for rid in request_ids:
+                self._generations.pop(rid, None)
+            if not isinstance(error, ValueError):  # cancelled: the requests may have been added
+                self.abort(request_ids)
+            raise
+        return generation
+
+    def abort(self, request_ids) -> None:
+        """Abort requests (finished or unknown ones are skipped); their blocks are freed before the next step."""
+        request_ids = list(request_ids)
+        for rid in request_ids:
+            self._generations.pop(rid, None)
+
+        def abort():
+            for rid in request_ids:
+                output = self.engine.abort_request(rid)
+                if output is not None:
+                    self._outputs.append(output)
+
+        with contextlib.suppress(EngineFailed):  # shutting down: the engine thread frees everything
+            self._submit(abort, None)
+
+    def _submit(self, fn: Callable, future: asyncio.Future | None) -> None:
+        with self._wake:
+            if self._stopping:
+                raise EngineFailed("the server is shutting down")
+            self._commands.append((fn, future))
+            self._wake.notify()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            generation = self._generations.get(output.request_id)
+            if generation is None:
+                continue  # aborted: nobody listens
+            generation.queue.put_nowait(output)
+            if output.finished:
+                del self._generations[output.request_id]
+
+    def _fail_all(self, error: Exception) -> None:
+        for generation in set(self._generations.values()):
+            generation.queue.put_nowait(error)
+        self._generations.clear()
+
+    # -- the engine thread ----------------------------------------------------
+    def _run(self) -> None:
+        failure = EngineFailed("the server is shutting down")
+        try:
+            self._serve()
+        except BaseException as error:  # a bug outside a step: stop, but answer everyone first
+            logger.exception("the engine thread stopped")
+            failure = EngineFailed(f"the engine thread stopped: {type(error).__name__}: {error}")
+        with self._wake:
+            self._stopping = True  # no more commands are taken
+            commands, self._commands = self._commands, []
+        for _, future in commands:
+            if future is not None:
+                self._loop.call_soon_threadsafe(_resolve, future, None, failure)
+        self._loop.call_soon_threadsafe(self._fail_all, failure)
+        for rid in list(self._timing):  # free everything
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001
+                logger.exception("could not abort request %s", rid)
+        self._timing.clear()
+
+    def _serve(self) -> None:
+        engine = self.engine
+        busy = False
+        while True:
+            with self._wake:
+                while not (self._commands or busy or self._stopping):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                commands, self._commands = self._commands, []
+            for fn, future in commands:
+                try:
+                    result, error = fn(), None
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    result, error = None, e
+                    if future is None:
+                        logger.exception("engine command failed")
+                if future is not None:
+                    self._loop.call_soon_threadsafe(_resolve, future, result, error)
+            if engine.has_unfinished_requests():
+                try:
+                    outputs, stats = engine.step()
+                except Exception as error:  # noqa: BLE001 - keep serving the next requests
+                    logger.exception("engine step failed; aborting the requests in flight")
+                    self._recover(error)
+                else:
+                    self._outputs.extend(outputs)
+                    if stats is not None:
+                        self.metrics.compressions.inc(stats.num_compressed)
+                        self.metrics.preemptions.inc(stats.num_preempted)
+            busy = engine.has_unfinished_requests()
+            self._observe(self._outputs)
+            if self._outputs:
+                outputs, self._outputs = self._outputs, []
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _recover(self, error: Exception) -> None:
+        for rid in list(self._timing):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001
+                logger.exception("could not abort request %s", rid)
+        self._timing.clear()
+        failure = EngineFailed(f"the engine failed: {type(error).__name__}: {error}")
+        self._loop.call_soon_threadsafe(self._fail_all, failure)
+
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        """Update the metrics after a round (engine thread)."""
+        m, now = self.metrics, time.perf_counter()
+        for output in outputs:
+            timing = self._timing.get(output.request_id)
+            if timing is None:
+                continue
+            new_tokens = len(output.outputs[0].token_ids)
+            if new_tokens:
+                m.generation_tokens.inc(new_tokens)
+                if timing[1] is None:
+                    m.ttft.observe(now - timing[0])
+                else:
+                    m.itl.observe((now - timing[1]) / new_tokens)
+                timing[1] = now
+            if output.finished:
+                del self._timing[output.request_id]
+                m.finished.labels(output.outputs[0].finish_reason).inc()
+                m.latency.observe(now - timing[0])
+        scheduler, bm = self.engine.scheduler, self.engine.block_manager
+        self.num_running = len(scheduler.running)
+        used = bm.num_blocks - bm.num_free_blocks
+        m.running.set(self.num_running)
+        m.waiting.set(len(scheduler.waiting))
+        m.kv_blocks_used.set(used)
+        m.kv_usage.set(used / bm.num_blocks)
+
+
+def _resolve(future: asyncio.Future, result, error: Exception | None) -> None:
+    if future.done():  # the caller went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
