@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)
+    from zipage.quality.eval import add_eval_parser
+    from zipage.quality.train import add_train_parser
+    add_eval_parser(sub)
+    add_train_parser(sub)
 
     args = parser.parse_args(argv)
     try:

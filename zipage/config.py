@@ -79,6 +79,11 @@ class SchedulerConfig:
 
 
 REDUNDANCY_MODES = ("lightning", "raw", "off")
+# Which tokens a compression keeps: "zipage" (attention, history and redundancy, the method) or a
+# baseline scored in the same engine: "attention" (SnapKV-like: window attention with pooling at
+# every compression, no history or redundancy), "recency" (StreamingLLM-like: the ``attention_sink``
+# first tokens and the most recent ones) or "random" (uniform random eviction, fixed seed).
+POLICIES = ("zipage", "attention", "recency", "random")
 
 
 @dataclass
@@ -106,6 +111,7 @@ class CompressionConfig:
     asynchronous: bool = False  # compress on a side CUDA stream while the others decode (see docs/compression.md)
     hybrid: bool = True  # query slots from memory; requests without one decode while far from compressing
     query_slots: int | None = None  # fixes M instead of deriving it from memory
+    policy: str = "zipage"  # or a baseline: "attention", "recency", "random" (see POLICIES)
 
     def __post_init__(self):
         _check(self.kv_budget_tokens is not None or self.max_blocks_per_seq is not None,
@@ -138,9 +144,20 @@ class CompressionConfig:
                f"max_blocks_per_compression must be a positive integer, got {self.max_blocks_per_compression!r}")
         _check(self.query_slots is None or (_is_int(self.query_slots) and self.query_slots >= 1),
                f"query_slots must be a positive integer or None, got {self.query_slots!r}")
+        _check(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
 
     def resolve(self, block_size: int) -> None:
-        """Fix N and k for the cache's block size and check what depends on it."""
+        """Fix N and k for the cache's block size and check what depends on it.
+
+        A baseline policy switches off what it does not use, so the engine allocates and
+        computes nothing for it: no redundancy or history for "attention" (which pools at
+        every compression, as SnapKV does whenever it compresses); no attention, pooling,
+        history or redundancy for "recency" and "random".
+        """
+        if self.policy == "attention":
+            self.redundancy, self.global_score_decay, self.pool_every_compression = "off", None, True
+        elif self.policy in ("recency", "random"):
+            self.redundancy, self.global_score_decay, self.pooling_width = "off", None, None
         if self.max_blocks_per_seq is None:
             _check(self.kv_budget_tokens % block_size == 0,
                    f"kv_budget_tokens={self.kv_budget_tokens} must be a multiple of block_size={block_size}")

@@ -3,7 +3,8 @@
 For each group of layers: gather the window queries from the query cache, score
 every cached token (attention over the window, history, pooling, redundancy),
 pick the kept tokens per layer and KV head, and compact keys, values and history
-scores into the target blocks. On CUDA the hot parts are Triton kernels; on the
+scores into the target blocks. The "recency" and "random" baselines replace the
+scoring by positions or random draws. On CUDA the hot parts are Triton kernels; on the
 CPU their PyTorch twins, which call the pure functions of ``policy.py``.
 """
 
@@ -38,6 +39,9 @@ class Compressor:
                             else compress_scores.paged_redundancy_sums_torch)
         self._compact = compact_kv.compact_kv if on_gpu else compact_kv.compact_kv_torch
         self._gather_keys = compress_scores.gather_keys
+        self._generator = None  # random eviction draws from its own seeded generator: repeatable runs
+        if config.policy == "random":
+            self._generator = torch.Generator(device=kv_cache.device).manual_seed(0)
         # Seconds per stage, accumulated when a benchmark sets this to a dict (synchronises).
         self.stage_seconds: dict[str, float] | None = None
         self._mark_time = 0.0
@@ -95,6 +99,15 @@ class Compressor:
         for first in range(0, self.num_layers, cfg.layer_group):
             layers = slice(first, min(first + cfg.layer_group, self.num_layers))
             kv_group = self.kv_cache[:, layers]
+            if cfg.policy in ("recency", "random"):  # baselines scored without attention
+                shape = (lengths, kv_group.shape[1], kv_group.shape[4], n_max)
+                scores = (policy.position_scores(*shape) if cfg.policy == "recency"
+                          else policy.random_scores(*shape, generator=self._generator))
+                kept = policy.choose_by_scores(scores, lengths, cfg, keep)
+                self._mark("history and top-k")
+                self._compact(kv_group, None, kept, None, sources, targets)
+                self._mark("compaction")
+                continue
             queries = self.query_cache[layers][:, rows].transpose(0, 1).contiguous()  # [R, L, w, Hq, d]
             attention = self._attention(queries, kv_group[0], sources, lengths, self.scale, n_max)
             self._mark("attention")

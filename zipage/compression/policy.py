@@ -5,7 +5,10 @@ H KV heads, n_max token positions; positions ``j >= lengths[r]`` are padding), w
 in float32 whatever the input dtype, and returns new tensors. Padding never influences
 a valid position (even NaN garbage in padded keys or scores), and nothing produces NaN.
 The semantics are those of the design page, section 3 (attention score, global score,
-pooling, redundancy, combination, protection and top-k selection).
+pooling, redundancy, combination, protection and top-k selection). The baselines of
+``CompressionConfig.policy`` reuse them ("attention": the same pipeline with history and
+redundancy off) or replace the score ("recency", "random": ``position_scores``,
+``random_scores``).
 
 These functions are the engine's CPU path and the reference the GPU kernels are tested
 against. The big intermediates (attention logits, similarity matrices) are computed in
@@ -226,18 +229,53 @@ def choose_tokens(attention: Tensor, redundancy: Tensor | None, lengths: Tensor,
     return select_kept(combined, keep), history
 
 
+# -- baselines that need no attention (CompressionConfig.policy "recency" and "random") --------
+def position_scores(lengths: Tensor, num_layers: int, num_heads: int, n_max: int) -> Tensor:
+    """Recency (StreamingLLM-like): token j scores j, so the newest tokens are kept.
+    float32 [R, L, H, n_max]; padding 0. Every layer and head keeps the same tokens."""
+    device = lengths.device
+    j = torch.arange(n_max, device=device, dtype=_F32)
+    scores = torch.where(j[None, :] < lengths[:, None].to(device=device, dtype=_F32), j[None, :], 0.0)
+    return scores[:, None, None, :].expand(len(lengths), num_layers, num_heads, n_max).contiguous()
+
+
+def random_scores(lengths: Tensor, num_layers: int, num_heads: int, n_max: int,
+                  generator: torch.Generator | None = None) -> Tensor:
+    """Random eviction: uniform [0, 1) scores, drawn independently per layer, head and token
+    from ``generator``. float32 [R, L, H, n_max]; padding 0."""
+    device = lengths.device
+    scores = torch.rand(len(lengths), num_layers, num_heads, n_max, generator=generator, device=device,
+                        dtype=_F32)
+    return scores.masked_fill_(~_valid(lengths, n_max, device), 0.0)
+
+
+def choose_by_scores(scores: Tensor, lengths: Tensor, config, keep: int) -> Tensor:
+    """Protect the window and the sink, then keep the top ``keep``: int64 [R, L, H, keep], ascending."""
+    return select_kept(protect(scores, lengths, config.window, config.attention_sink), keep)
+
+
 def score_tokens(queries: Tensor, keys: Tensor, lengths: Tensor, previous: Tensor | None, num_previous: Tensor,
-                 config, scale: float, keep: int, block_size: int, pool: bool) -> tuple[Tensor, Tensor]:
+                 config, scale: float, keep: int, block_size: int, pool: bool,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
     """The whole pipeline for one layer group, from window queries and dense keys.
 
-    ``config`` is a ``CompressionConfig``; ``block_size`` is the cache's block size (the
-    lightning block); ``pool`` says whether pooling applies this time. Returns what
-    ``choose_tokens`` returns.
+    ``config`` is a resolved ``CompressionConfig``; ``block_size`` is the cache's block size
+    (the lightning block); ``pool`` says whether pooling applies this time (it always does
+    when the config pools at every compression). Returns what ``choose_tokens`` returns;
+    for "recency" and "random" (``generator`` draws the random scores) the history score is 0.
     """
+    if config.policy in ("recency", "random"):
+        R, L, H, n = keys.shape[:4]
+        if config.policy == "recency":
+            scores = position_scores(lengths.to(keys.device), L, H, n)
+        else:
+            scores = random_scores(lengths.to(keys.device), L, H, n, generator)
+        return choose_by_scores(scores, lengths, config, keep), torch.zeros_like(scores)
     attention = attention_scores(queries, keys, lengths, scale)
     redundancy = None
     if config.redundancy != "off":
         divisor = block_size if config.redundancy == "lightning" else None
         redundancy = redundancy_scores(keys, lengths, config.similarity_threshold, config.redundancy_temperature,
                                        divisor)
-    return choose_tokens(attention, redundancy, lengths, previous, num_previous, config, keep, pool)
+    return choose_tokens(attention, redundancy, lengths, previous, num_previous, config, keep,
+                         pool or config.pool_every_compression)

@@ -196,12 +196,33 @@ def score_tokens(queries: Tensor, keys: Tensor, lengths: Tensor, previous: Tenso
     return indices, history
 
 
+def position_scores(lengths: Tensor, num_layers: int, num_heads: int, n_max: int) -> Tensor:
+    """Recency: token j scores j; padding 0."""
+    out = torch.zeros(len(lengths), num_layers, num_heads, n_max, dtype=torch.float64)
+    for r, n in enumerate(_ints(lengths)):
+        for j in range(n):
+            out[r, :, :, j] = float(j)
+    return out
+
+
 def score_tokens_with_scores(queries, keys, lengths, previous, num_previous, config, scale, keep, block_size, pool):
-    """``score_tokens`` plus the protected combined score S (float64), for tie-aware comparisons."""
+    """``score_tokens`` plus the protected combined score S (float64), for tie-aware comparisons.
+
+    ``config`` is a resolved ``CompressionConfig``; pooling applies when ``pool`` is true or the
+    config pools at every compression. Policies: "zipage" and "attention" (whose resolved config
+    has history and redundancy off) follow the pipeline; "recency" scores positions; "random" has
+    no reference (its scores are random draws).
+    """
+    if config.policy == "random":
+        raise ValueError("the random policy has no reference: its scores are random draws")
+    if config.policy == "recency":
+        R, L, H, n_max = keys.shape[:4]
+        combined = protect(position_scores(lengths, L, H, n_max), lengths, config.window, config.attention_sink)
+        return select_kept(combined, keep), torch.zeros(R, L, H, n_max, dtype=torch.float64), combined
     attention = attention_scores(queries, keys, lengths, scale)
     history = update_global_scores(attention, previous, num_previous, config.global_score_decay)
     pooled = history
-    if pool and config.pooling_width is not None:
+    if (pool or config.pool_every_compression) and config.pooling_width is not None:
         pooled = max_pool(history, lengths, config.pooling_width)
     redundancy = None
     if config.redundancy != "off":

@@ -1,0 +1,138 @@
+"""The synthetic ledger task and its character tokenizer."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from zipage.quality import tasks
+from zipage.quality.tokenizer import VOCAB, CharCodec, save_tokenizer
+
+STEP = re.compile(r"^(\d+) (\d):([a-z])([+-]) (\w+)=(\d) (\d)([+-])(\d)\+(\d)\+(\d)=(\d)$")
+
+
+def _statement(text: str):
+    lines = text.split("\n")
+    values = dict(re.findall(r"([a-z])=(\d)", lines[0]))
+    rules = {int(d): (s, op) for d, s, op in re.findall(r"(\d):([a-z])([+-])", lines[1])}
+    before, start = map(int, lines[2].split()[1:])
+    steps = int(lines[3].split()[1])
+    return {k: int(v) for k, v in values.items()}, rules, before, start, steps
+
+
+def solve_step(working_set: str, step: int) -> str:
+    """The line of ``step`` computed from a working set only: the statement, the latest
+    check line and the last two step lines (an independent reading of the rules)."""
+    values, rules, before, start, _ = _statement(working_set)
+    recent = [m for m in (STEP.match(line) for line in working_set.split("\n")) if m]
+    results = [before, start] + [int(m.group(12)) for m in recent]
+    previous, current = results[-2], results[-1]
+    check = [line for line in working_set.split("\n") if line.startswith("check ")][-1]
+    milestones = [(int(k), int(v)) for k, v in re.findall(r"m(\d+)=(\d)", check)]
+    source, op = rules[current]
+    if source in values:
+        label, x = source, values[source]
+    else:
+        k, x = milestones[-1] if source == "m" else milestones[-2]
+        label = f"m{k}"
+    result = (current + (x if op == "+" else -x) + previous + step % 10) % 10
+    return f"{step} {current}:{source}{op} {label}={x} {current}{op}{x}+{previous}+{step % 10}={result}"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, tasks.HELD_OUT_SEED + 7])
+def test_every_step_follows_from_a_small_working_set(seed):
+    problem = tasks.make_problem(seed)
+    lines = problem.solution.split("\n")
+    assert lines[0].startswith("check m1=") and lines[-1] == f"answer {problem.answer}"
+    steps_seen, milestones = 0, 2
+    for i, line in enumerate(lines):
+        match = STEP.match(line)
+        if match:
+            step = int(match.group(1))
+            assert step == steps_seen + 1
+            before = lines[:i]
+            check = [x for x in before if x.startswith("check ")][-1]
+            last_two = [x for x in before if STEP.match(x)][-2:]
+            working_set = "\n".join([problem.statement, check] + last_two)
+            assert len(working_set) < 200  # constant, whatever the solution's length
+            assert solve_step(working_set, step) == line
+            steps_seen = step
+        elif line.startswith("m"):
+            milestones += 1
+            assert line == f"m{milestones}={lines[i - 1][-1]}"
+            assert steps_seen % tasks.SPECS["standard"].milestone_every == 0
+    _, _, _, _, steps = _statement(problem.statement)
+    assert steps_seen == steps == problem.num_steps
+    results = [line[-1] for line in lines if STEP.match(line)]
+    latest = [line[-1] for line in lines if re.match(r"^m\d+=\d$", line)] or [lines[0][-1]]
+    assert problem.answer == results[-2] + results[-1] + latest[-1]
+
+
+def test_problems_are_seeded_and_held_out_ones_differ_from_training():
+    assert tasks.make_problem(5) == tasks.make_problem(5)
+    assert tasks.make_problem(5) != tasks.make_problem(6)
+    held = tasks.held_out_problems(3)
+    assert [p.seed for p in held] == [tasks.HELD_OUT_SEED + i for i in range(3)]
+    import random
+    rng = random.Random(0)
+    assert all(tasks.training_seed(rng) < tasks.HELD_OUT_SEED for _ in range(1000))
+
+
+def test_lengths_cover_one_to_three_thousand_tokens_and_milestones_are_read():
+    codec = CharCodec()
+    lengths, reads_milestone = [], 0
+    for seed in range(200):
+        p = tasks.make_problem(seed)
+        ids, prompt_len = codec.encode_chat(tasks.messages(p), p.solution)
+        lengths.append(len(ids))
+        reads_milestone += bool(re.search(r":[mn][+-]", p.solution))
+    assert 900 <= min(lengths) and max(lengths) <= 3100
+    assert 1700 <= sum(lengths) / len(lengths) <= 2100
+    assert reads_milestone == 200
+
+
+def test_shortcuts_are_rare():
+    """Expressions rarely repeat inside a solution, and no solution falls into a cycle."""
+    repeats, total, distinct = 0, 0, []
+    for seed in range(100):
+        lines = [line.split(" ", 1)[1] for line in tasks.make_problem(seed).solution.split("\n") if STEP.match(line)]
+        windows = [tuple(lines[i:i + 5]) for i in range(len(lines) - 4)]
+        repeats += len(windows) - len(set(windows))
+        total += len(windows)
+        expressions = [line.rsplit(" ", 1)[1] for line in lines]
+        distinct.append(len(set(expressions)) / len(expressions))
+    assert repeats / total < 0.01
+    assert sum(distinct) / len(distinct) > 0.95 and min(distinct) > 0.6
+
+
+def test_extract_answer_and_specs():
+    assert tasks.extract_answer("12 ...\nanswer 523") == "523"
+    assert tasks.extract_answer("answer 1\nanswer 42") == "42"
+    assert tasks.extract_answer("no answer here") is None
+    tiny = tasks.make_problem(0, "tiny")
+    assert 3 <= tiny.num_steps <= 6 and tiny.statement.startswith("a=")
+    with pytest.raises(ValueError, match="unknown task spec"):
+        tasks.make_problem(0, "huge")
+    with pytest.raises(ValueError, match="min_steps"):
+        tasks.TaskSpec(min_steps=5, max_steps=4)
+
+
+def test_tokenizer_files_match_the_codec(tmp_path):
+    from transformers import AutoTokenizer
+
+    save_tokenizer(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    codec = CharCodec()
+    assert len(tok) == len(VOCAB) == codec.vocab_size
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token_id == 0
+    for seed in range(5):
+        p = tasks.make_problem(seed)
+        ids, prompt_len = codec.encode_chat(tasks.messages(p), p.solution)
+        text = tok.apply_chat_template(tasks.messages(p), tokenize=False, add_generation_prompt=True)
+        assert tok.encode(text, add_special_tokens=False) == ids[:prompt_len].tolist()
+        assert tok.encode(p.solution, add_special_tokens=False) == ids[prompt_len:-1].tolist()
+        assert ids[-1] == tok.eos_token_id
+        assert tok.decode(ids[prompt_len:].tolist(), skip_special_tokens=True) == p.solution
+        assert codec.decode(ids) == text + p.solution + "<|im_end|>"
+    assert tok.decode(tok.encode("a=3 \u00e9", add_special_tokens=False)) == "a=3 <unk>"

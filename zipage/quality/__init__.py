@@ -1,0 +1,1 @@
+"""Quality: the synthetic reasoning task, its tokenizer, training, and the evaluations."""

@@ -1,0 +1,322 @@
+"""``zipage eval synthetic``: accuracy of compression policies against the KV budget.
+
+Held-out ledger problems (``zipage.quality.tasks``) are solved greedily by the
+engine with the full KV cache and then, for every policy and budget, under
+compression. Two metrics per run:
+
+- accuracy: the share of problems whose answer line is exactly right;
+- correct-prefix fraction: the share of the reference solution (its tokens and the
+  closing end-of-turn token) reproduced token for token before the first divergence,
+  averaged over problems. It tells how far a policy gets before it breaks.
+
+Budgets are given as fractions of the mean sequence length (prompt plus reference
+solution) and rounded to whole blocks. Runs also record decode throughput, the
+peak KV memory per request and a breakdown by solution length (thirds of the
+problem set), which shows whether the budget a policy needs grows with length.
+Results go to ``synthetic.json``, ``synthetic.md`` (the table) and ``synthetic.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+from zipage.quality import tasks
+
+DEFAULT_BUDGETS = (0.125, 0.25, 0.375, 0.5, 0.75, 0.875)
+DEFAULT_POLICIES = ("zipage", "attention", "recency", "random")
+RECENCY_SINK = 4  # StreamingLLM's attention-sink tokens
+KEEP_SHARE = 0.95  # "keeps its accuracy": at least this share of full-KV accuracy
+
+
+@dataclass
+class Encoded:
+    problem: tasks.Problem
+    prompt_ids: list[int]
+    reference_ids: list[int]  # the solution and the end-of-turn token
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.reference_ids)
+
+
+def encode(tokenizer, problems: list[tasks.Problem]) -> list[Encoded]:
+    """Prompts through the checkpoint's chat template; references as the model should write them."""
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    out = []
+    for p in problems:
+        text = tokenizer.apply_chat_template(tasks.messages(p), tokenize=False, add_generation_prompt=True)
+        out.append(Encoded(p, tokenizer.encode(text, add_special_tokens=False),
+                           tokenizer.encode(p.solution, add_special_tokens=False) + [eos]))
+    return out
+
+
+def correct_prefix(generated: list[int], reference: list[int]) -> int:
+    """Leading tokens of ``reference`` that ``generated`` reproduces exactly."""
+    n = 0
+    for a, b in zip(generated, reference):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def score(encoded: list[Encoded], outputs) -> dict:
+    """Accuracy and mean correct-prefix fraction of one run, with per-problem values."""
+    correct, prefix = [], []
+    for item, out in zip(encoded, outputs):
+        completion = out.outputs[0]
+        correct.append(tasks.extract_answer(completion.text) == item.problem.answer)
+        prefix.append(correct_prefix(list(completion.token_ids), item.reference_ids) / len(item.reference_ids))
+    n = max(1, len(correct))
+    return dict(accuracy=sum(correct) / n, prefix_fraction=sum(prefix) / n, correct=correct, prefix=prefix)
+
+
+def kv_bytes_per_token(model_dir: str, device: str) -> int:
+    """K and V of one token over all layers, in the dtype the engine runs (float32 on the CPU)."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    element = 4 if device == "cpu" else 2
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * element
+
+
+def run_engine(model_dir: str, encoded: list[Encoded], compression=None, device: str | None = None,
+               block_size: int = 32, dtype: str = "auto", max_num_seqs: int | None = None,
+               kv_cache_memory_bytes: int | None = None, slack_tokens: int = 32) -> dict:
+    """Greedy decoding of every problem in one engine; metrics of the run."""
+    import torch
+
+    from zipage import LLM, SamplingParams
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    longest = max(e.length for e in encoded) + slack_tokens
+    if kv_cache_memory_bytes is None:  # room for every request at full length, so the runs compare alike
+        kv_cache_memory_bytes = (len(encoded) + 1) * (longest + block_size) * kv_bytes_per_token(model_dir, device)
+    llm = LLM(model_dir, device=device, dtype=dtype, block_size=block_size, compression=compression,
+              max_num_seqs=max_num_seqs or len(encoded), kv_cache_memory_bytes=kv_cache_memory_bytes,
+              max_model_len=min(longest + block_size, _model_limit(model_dir)), seed=0)
+    params = [SamplingParams(temperature=0.0, max_tokens=len(e.reference_ids) + slack_tokens) for e in encoded]
+    start = time.perf_counter()
+    outputs = llm.generate([e.prompt_ids for e in encoded], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    cache = llm.engine.runner.kv_cache
+    block_bytes = cache[:, :, 0].numel() * cache.element_size()
+    peaks = [o.metrics.peak_blocks * block_bytes for o in outputs]
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result = score(encoded, outputs)
+    result.update(seconds=round(elapsed, 2), generated_tokens=generated, tokens_per_second=generated / elapsed,
+                  peak_kv_bytes_mean=sum(peaks) / len(peaks), peak_kv_bytes_max=max(peaks),
+                  compressions=sum(o.metrics.num_compressions for o in outputs))
+    del llm, outputs
+    gc.collect()
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
+    return result
+
+
+def _model_limit(model_dir: str) -> int:
+    from transformers import AutoConfig
+    return getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None) or 4096
+
+
+def evaluate_full_kv(model_dir: str, problems: list[tasks.Problem], device: str | None = None,
+                     block_size: int = 32) -> dict:
+    """Full-KV greedy accuracy and correct-prefix fraction on ``problems`` (no per-problem lists)."""
+    from zipage.utils.loader import load_tokenizer
+    encoded = encode(load_tokenizer(model_dir), problems)
+    result = run_engine(model_dir, encoded, device=device, block_size=block_size)
+    return {k: v for k, v in result.items() if k not in ("correct", "prefix")}
+
+
+def budget_tokens(fraction: float, mean_length: float, block_size: int, window: int) -> int:
+    """``fraction`` of the mean length, rounded to whole blocks, at least one block and the window."""
+    blocks = max(1, round(fraction * mean_length / block_size))
+    while blocks * block_size < window + RECENCY_SINK:
+        blocks += 1
+    return blocks * block_size
+
+
+def by_length(encoded: list[Encoded], values: list[float], parts: int = 3) -> list[dict]:
+    """Mean of ``values`` over thirds of the problems ordered by length."""
+    order = sorted(range(len(encoded)), key=lambda i: encoded[i].length)
+    out = []
+    for k in range(parts):
+        chosen = order[k * len(order) // parts:(k + 1) * len(order) // parts]
+        if chosen:
+            out.append(dict(min_tokens=encoded[chosen[0]].length, max_tokens=encoded[chosen[-1]].length,
+                            mean=sum(values[i] for i in chosen) / len(chosen)))
+    return out
+
+
+def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGETS, policies=DEFAULT_POLICIES,
+                  task: str | tasks.TaskSpec = "standard", start: int = 0, device: str | None = None, block_size: int = 32,
+                  window: int = 16, dtype: str = "auto", max_num_seqs: int | None = None,
+                  kv_cache_memory_bytes: int | None = None, log=print) -> dict:
+    """Full KV, then every (policy, budget); returns the record written to ``synthetic.json``."""
+    from zipage import CompressionConfig
+    from zipage.utils.loader import load_tokenizer
+
+    encoded = encode(load_tokenizer(model_dir), tasks.held_out_problems(num_problems, task, start))
+    mean_length = sum(e.length for e in encoded) / len(encoded)
+    common = dict(device=device, block_size=block_size, dtype=dtype, max_num_seqs=max_num_seqs,
+                  kv_cache_memory_bytes=kv_cache_memory_bytes)
+    full = run_engine(model_dir, encoded, **common)
+    log(f"full KV: accuracy {full['accuracy']:.3f}, correct prefix {full['prefix_fraction']:.3f} "
+        f"({full['tokens_per_second']:.0f} tokens/s)")
+    runs = [dict(policy="full", budget_tokens=None, budget_fraction=1.0, **_summary(full, encoded))]
+    for fraction in budgets:
+        tokens = budget_tokens(fraction, mean_length, block_size, window)
+        for name in policies:
+            config = CompressionConfig(kv_budget_tokens=tokens, window=window, policy=name,
+                                       attention_sink=RECENCY_SINK if name == "recency" else 0)
+            result = run_engine(model_dir, encoded, compression=config, **common)
+            runs.append(dict(policy=name, budget_tokens=tokens, budget_fraction=tokens / mean_length,
+                             requested_fraction=fraction, **_summary(result, encoded)))
+            log(f"{name:>9} budget {tokens:>5} ({tokens / mean_length:.3f}): accuracy {result['accuracy']:.3f}, "
+                f"correct prefix {result['prefix_fraction']:.3f}")
+    settings = dict(model=os.path.abspath(model_dir), num_problems=num_problems,
+                    task=task if isinstance(task, str) else asdict(task), start=start,
+                    held_out_seed=tasks.HELD_OUT_SEED, block_size=block_size, window=window,
+                    recency_sink=RECENCY_SINK, mean_length=mean_length,
+                    min_length=min(e.length for e in encoded), max_length=max(e.length for e in encoded),
+                    device=device, dtype=dtype)
+    return dict(settings=settings, runs=runs, summary=summarise(runs))
+
+
+def _summary(result: dict, encoded: list[Encoded]) -> dict:
+    keys = ("accuracy", "prefix_fraction", "tokens_per_second", "peak_kv_bytes_mean", "peak_kv_bytes_max",
+            "compressions", "seconds", "generated_tokens")
+    out = {k: result[k] for k in keys}
+    out["accuracy_by_length"] = by_length(encoded, [float(c) for c in result["correct"]])
+    out["prefix_by_length"] = by_length(encoded, result["prefix"])
+    out["correct"] = result["correct"]
+    return out
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Smallest budget from which on Zipage keeps 95% of full-KV accuracy; whether it beats every
+    baseline at each budget, on each metric."""
+    full = next(r for r in runs if r["policy"] == "full")
+    zipage = sorted((r for r in runs if r["policy"] == "zipage"), key=lambda r: r["budget_fraction"])
+    keeps = []  # the budgets from which on (this one and every larger one) Zipage keeps its accuracy
+    for r in reversed(zipage):
+        if not r["accuracy"] >= KEEP_SHARE * full["accuracy"] > 0:  # nothing to keep if full KV fails
+            break
+        keeps.insert(0, r)
+    beats = {}
+    for r in zipage:
+        rivals = [o for o in runs if o["budget_tokens"] == r["budget_tokens"] and o["policy"] not in ("zipage", "full")]
+        beats[str(r["budget_tokens"])] = {
+            metric: all(r[metric] > o[metric] for o in rivals) for metric in ("accuracy", "prefix_fraction")}
+    return dict(full_accuracy=full["accuracy"], full_prefix_fraction=full["prefix_fraction"],
+                zipage_keeps_95_from_fraction=keeps[0]["budget_fraction"] if keeps else None,
+                zipage_keeps_95_from_tokens=keeps[0]["budget_tokens"] if keeps else None,
+                zipage_beats_baselines=beats)
+
+
+def table(record: dict) -> str:
+    """Markdown: one row per budget, accuracy and correct-prefix fraction per policy."""
+    runs = record["runs"]
+    policies = [p for p in DEFAULT_POLICIES if any(r["policy"] == p for r in runs)]
+    policies += sorted({r["policy"] for r in runs} - set(policies) - {"full"})
+    full = next(r for r in runs if r["policy"] == "full")
+    head = "| budget (tokens) | fraction | " + " | ".join(f"{p} acc / prefix" for p in policies) + " |"
+    lines = [head, "|" + " --- |" * (2 + len(policies))]
+    for tokens in sorted({r["budget_tokens"] for r in runs if r["budget_tokens"] is not None}):
+        row = {r["policy"]: r for r in runs if r["budget_tokens"] == tokens}
+        fraction = next(iter(row.values()))["budget_fraction"]
+        cells = [f"{row[p]['accuracy']:.3f} / {row[p]['prefix_fraction']:.3f}" if p in row else "-" for p in policies]
+        lines.append(f"| {tokens} | {fraction:.3f} | " + " | ".join(cells) + " |")
+    full_cell = f"{full['accuracy']:.3f} / {full['prefix_fraction']:.3f}"
+    lines.append("| full KV | 1 | " + " | ".join([full_cell] * len(policies)) + " |")
+    s = record["summary"]
+    keep = s["zipage_keeps_95_from_fraction"]
+    lines.append("")
+    lines.append("Smallest budget at which Zipage keeps 95% of full-KV accuracy: "
+                 + (f"{s['zipage_keeps_95_from_tokens']} tokens ({keep:.3f} of the mean sequence)."
+                    if keep is not None else "none of the budgets tried."))
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: str) -> bool:
+    """Accuracy and correct-prefix fraction against budget fraction, one line per policy."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = record["runs"]
+    full = next(r for r in runs if r["policy"] == "full")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric, label in zip(axes, ("accuracy", "prefix_fraction"), ("exact-answer accuracy",
+                                                                       "correct-prefix fraction")):
+        for name in sorted({r["policy"] for r in runs} - {"full"}, key=lambda p: (p != "zipage", p)):
+            points = sorted((r["budget_fraction"], r[metric]) for r in runs if r["policy"] == name)
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name,
+                    linewidth=2.5 if name == "zipage" else 1.5)
+        ax.axhline(full[metric], color="black", linestyle="--", linewidth=1, label="full KV")
+        ax.set_xlabel("KV budget / mean sequence length")
+        ax.set_ylabel(label)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"{record['settings']['num_problems']} held-out ledger problems, "
+                 f"mean {record['settings']['mean_length']:.0f} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write(record: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "synthetic.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    with open(os.path.join(out_dir, "synthetic.md"), "w") as f:
+        f.write(table(record) + "\n")
+    plot(record, os.path.join(out_dir, "synthetic.png"))
+
+
+# -- command line -----------------------------------------------------------------
+def add_eval_parser(sub) -> None:
+    from zipage.quality import math_eval
+
+    p = sub.add_parser("eval", help="quality evaluation: synthetic (trained model) or math (real checkpoints)")
+    kinds = p.add_subparsers(dest="eval_kind", required=True)
+    s = kinds.add_parser("synthetic", help="accuracy of eviction policies against the KV budget")
+    s.add_argument("--model", required=True, help="checkpoint trained on the synthetic task")
+    s.add_argument("--num-problems", type=int, default=200)
+    s.add_argument("--budgets", default=",".join(str(b) for b in DEFAULT_BUDGETS),
+                   help="fractions of the mean sequence length, comma-separated")
+    s.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    s.add_argument("--task", default="standard", choices=sorted(tasks.SPECS))
+    s.add_argument("--start", type=int, default=0, help="first held-out problem index")
+    s.add_argument("--block-size", type=int, default=32)
+    s.add_argument("--window", type=int, default=16)
+    s.add_argument("--device", default=None)
+    s.add_argument("--dtype", default="auto")
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    s.add_argument("--out", default="results/quality")
+    s.set_defaults(func=_run_synthetic)
+    math_eval.add_math_parser(kinds)
+
+
+def _run_synthetic(args: argparse.Namespace) -> int:
+    budgets = [float(b) for b in args.budgets.split(",") if b]
+    policies = [p for p in args.policies.split(",") if p]
+    from zipage.config import POLICIES
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not budgets or any(not 0 < b <= 1 for b in budgets):
+        raise ValueError(f"--policies must be among {POLICIES} (got {unknown}) and --budgets fractions in (0, 1]")
+    record = run_synthetic(args.model, args.num_problems, budgets, policies, args.task, args.start, args.device,
+                           args.block_size, args.window, args.dtype, args.max_num_seqs, args.kv_cache_memory_bytes)
+    write(record, args.out)
+    print("\n" + table(record))
+    print(f"\nwrote synthetic.json, synthetic.md and synthetic.png to {args.out}")
+    return 0

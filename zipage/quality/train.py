@@ -1,0 +1,396 @@
+"""Train a small Qwen3 model on the ledger task and save a HuggingFace checkpoint.
+
+    python -m zipage.quality.train --out checkpoints/ledger-14m --max-minutes 11.5
+    zipage train-synthetic --out DIR --tiny        # CPU smoke run, well under a minute
+
+The model is ``transformers.Qwen3ForCausalLM`` (preset ``small``: 8 layers, hidden
+384, 6 query heads and 2 KV heads of 64, 13.8M parameters) over the character
+tokenizer of ``zipage.quality.tokenizer``. Problems are generated on the fly by
+worker processes, so no example repeats; the loss counts the solution tokens only.
+
+Sizing for one GPU run of at most 15 minutes (an H200; estimate, not yet measured)
+---------------------------------------------------------------------------------
+Work per token: 6 * 13.8M = 83 MFLOP for the weights plus about 40 MFLOP for causal
+attention over ~1,900 tokens (8 layers, width 384, forward and backward), so about
+125 MFLOP. At hidden size 384 the matmuls are small and the step is dominated by
+memory-bound elementwise kernels of the eager model (norms, rotary, activations):
+roughly 150 of them per layer and step, each moving ~0.2 GB for a 128K-token batch,
+about 85 ms per step, plus ~30 ms of matmuls and ~30 ms of flash attention. So
+about 150 ms per step of 131,072 tokens: ~0.9M tokens/s, and ~9.5 minutes of
+training see ~500M tokens, ~250K problems and ~3,500 optimizer steps, or ~25M
+worked steps. Activation memory of the eager model is about 25 KB per token and
+layer, ~26 GB for the batch, far below the card's 139 GB; a larger batch would buy
+fewer optimizer steps, which this kind of task needs more than larger batches.
+Data generation costs ~0.1 ms of Python per problem (~2,000 tokens), so a few
+worker processes keep ahead of ~450 problems per second.
+
+How it runs: one problem per row (every row starts at position 0, as at inference),
+rows sorted by length within a pool and right-padded to a multiple of 64 tokens, so
+flash attention runs with a plain causal mask and padding costs a few percent; bf16
+autocast on CUDA (float32 on the CPU), fused AdamW, linear warmup then cosine decay.
+With ``--max-minutes`` the step count is fixed after 30 measured steps so that the
+cosine schedule ends inside the budget (``--steps`` fixes it by hand and makes a run
+repeatable); the checkpoint is saved before the held-out evaluation starts. The
+seed fixes the initial weights and the problems (given the number of workers).
+``--compile`` wraps the model in ``torch.compile`` (dynamic shapes); it is off by
+default because it has not been tried on the GPU yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from zipage.quality import tasks
+from zipage.quality.tokenizer import CharCodec, VOCAB, save_tokenizer
+
+MODEL_SIZES = {
+    "small": dict(hidden_size=384, intermediate_size=1152, num_hidden_layers=8, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=64),  # 13.8M parameters
+    "mini": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32),  # 0.8M, for CPU checks
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16),  # CI
+}
+PAD_MULTIPLE = 64
+IGNORE = -100
+
+
+@dataclass
+class TrainConfig:
+    out: str
+    model_size: str = "small"
+    task: str = "standard"
+    seed: int = 0
+    max_minutes: float = 11.5  # wall clock for the whole command, evaluation included
+    steps: int | None = None  # None: as many as the time budget allows (fixed after 30 steps)
+    batch_tokens: int = 131072  # padded tokens per optimizer step
+    lr: float = 1.5e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 150
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    device: str | None = None
+    compile: bool = False
+    workers: int | None = None  # data worker processes (None: up to 6; 0: in this process)
+    eval_problems: int = 200  # held-out problems decoded greedily at the end (0: none)
+    eval_reserve_s: float = 150.0  # seconds of the budget kept for saving and evaluation
+    log_every: int = 10
+    max_position_embeddings: int = 4096
+    command: str = field(default="", repr=False)
+
+    def __post_init__(self):
+        if self.model_size not in MODEL_SIZES:
+            raise ValueError(f"model_size must be one of {sorted(MODEL_SIZES)}, got {self.model_size!r}")
+        tasks.get_spec(self.task)
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.max_minutes <= 0:
+            raise ValueError(f"max_minutes must be > 0, got {self.max_minutes}")
+        if self.batch_tokens < PAD_MULTIPLE:
+            raise ValueError(f"batch_tokens must be >= {PAD_MULTIPLE}, got {self.batch_tokens}")
+
+
+def tiny_config(out: str) -> TrainConfig:
+    """The CPU smoke run: a 2-layer model on 3-6 step problems, about 20 seconds."""
+    return TrainConfig(out=out, model_size="tiny", task="tiny", steps=80, batch_tokens=4096, lr=3e-3,
+                       warmup_steps=10, device="cpu", workers=0, eval_problems=8, eval_reserve_s=20.0,
+                       max_minutes=1.0, log_every=5, max_position_embeddings=512)
+
+
+# -- data -----------------------------------------------------------------------
+def encode_problem(codec: CharCodec, problem: tasks.Problem) -> tuple[np.ndarray, int]:
+    return codec.encode_chat(tasks.messages(problem), problem.solution)
+
+
+def batches_from(rng: random.Random, spec: tasks.TaskSpec, batch_tokens: int, pool_batches: int = 8):
+    """Endless padded batches ``(input_ids int64 [B, T], labels int64 [B, T])``.
+
+    A pool of problems is sorted by length and cut into batches of at most
+    ``batch_tokens`` padded tokens, which are then yielded in random order.
+    """
+    codec = CharCodec()
+    while True:
+        pool, total = [], 0
+        while total < pool_batches * batch_tokens:
+            ids, prompt_len = encode_problem(codec, tasks.make_problem(tasks.training_seed(rng), spec))
+            pool.append((ids, prompt_len))
+            total += len(ids)
+        pool.sort(key=lambda item: len(item[0]))
+        batches, start = [], 0
+        while start < len(pool):
+            stop = start + 1
+            while stop < len(pool) and (stop + 1 - start) * _padded(len(pool[stop][0])) <= batch_tokens:
+                stop += 1
+            batches.append(pool[start:stop])
+            start = stop
+        rng.shuffle(batches)
+        for rows in batches:
+            yield _collate(rows)
+
+
+def _padded(n: int) -> int:
+    return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def _collate(rows) -> tuple[torch.Tensor, torch.Tensor]:
+    width = _padded(max(len(ids) for ids, _ in rows))
+    inputs = torch.zeros(len(rows), width, dtype=torch.int64)  # 0 is <|endoftext|>, the padding
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.int64)
+    for i, (ids, prompt_len) in enumerate(rows):
+        row = torch.from_numpy(ids.astype(np.int64))
+        inputs[i, :len(row)] = row
+        labels[i, prompt_len:len(row)] = row[prompt_len:]  # the solution and its closing <|im_end|>
+    return inputs, labels
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, seed: int, spec: tasks.TaskSpec, batch_tokens: int):
+        self.seed, self.spec, self.batch_tokens = seed, spec, batch_tokens
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info is not None else 0
+        rng = random.Random(f"{self.seed}-{worker}")
+        return batches_from(rng, self.spec, self.batch_tokens)
+
+
+def data_loader(config: TrainConfig, workers: int):
+    stream = _Stream(config.seed, tasks.get_spec(config.task), config.batch_tokens)
+    if workers == 0:
+        return iter(stream)
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers, prefetch_factor=4,
+                                         pin_memory=torch.cuda.is_available(), persistent_workers=True)
+    return iter(loader)
+
+
+# -- model and optimiser -------------------------------------------------------------
+def build_model(config: TrainConfig):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    hf = Qwen3Config(vocab_size=len(VOCAB), max_position_embeddings=config.max_position_embeddings,
+                     tie_word_embeddings=True, rms_norm_eps=1e-6, eos_token_id=VOCAB.index("<|im_end|>"),
+                     pad_token_id=0, bos_token_id=None, **MODEL_SIZES[config.model_size])
+    hf.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(config.seed)
+    return Qwen3ForCausalLM(hf)
+
+
+def make_optimizer(model, config: TrainConfig, fused: bool):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def learning_rate(config: TrainConfig, step: int, total: int) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine down to ``min_lr_ratio * lr`` at ``total``."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, total - config.warmup_steps))
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def loss_of(model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=inputs).logits  # no attention mask: causal, padding only at the end
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                           ignore_index=IGNORE)
+
+
+# -- the run ---------------------------------------------------------------------
+def train(config: TrainConfig) -> dict:
+    """Train, save the checkpoint (and tokenizer, log, loss curve) to ``config.out``, then
+    evaluate on held-out problems. Returns the run's record (also ``training.json``)."""
+    started = time.perf_counter()
+    deadline = started + config.max_minutes * 60
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    workers = config.workers if config.workers is not None else min(6, max(1, (os.cpu_count() or 2) - 2))
+    os.makedirs(config.out, exist_ok=True)
+
+    model = build_model(config).to(device)
+    num_params = sum(p.numel() for p in model.parameters())
+    forward = torch.compile(model, dynamic=True) if config.compile else model
+    optimizer = make_optimizer(model, config, fused=on_cuda)
+    batches = data_loader(config, workers)
+    print(f"model {config.model_size}: {num_params / 1e6:.2f}M parameters on {device}; task {config.task}; "
+          f"{workers} data workers", flush=True)
+
+    total = config.steps
+    train_deadline = deadline - (config.eval_reserve_s if config.eval_problems else 20.0)
+    log, step, tokens = [], 0, 0
+    measured_from = None
+    loop_start = time.perf_counter()
+    while True:
+        if total is not None and step >= total:
+            break
+        if time.perf_counter() > train_deadline:
+            print(f"time budget reached at step {step}", flush=True)
+            break
+        inputs, labels = next(batches)
+        inputs = inputs.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        lr = learning_rate(config, step, total if total is not None else 10 ** 9)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_cuda):
+            loss = loss_of(forward, inputs, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        step += 1
+        tokens += inputs.numel()
+        if step == 5:
+            measured_from = (time.perf_counter(), step)
+        if total is None and step == 35:
+            # Fix the schedule's length from the measured speed (compile and warm-up excluded).
+            seconds_per_step = (time.perf_counter() - measured_from[0]) / (step - measured_from[1])
+            remaining = train_deadline - time.perf_counter()
+            total = step + max(1, int(0.97 * remaining / seconds_per_step))
+            print(f"{seconds_per_step * 1000:.0f} ms per step: {total} steps fit the budget", flush=True)
+        if step % config.log_every == 0:
+            elapsed = time.perf_counter() - loop_start
+            entry = dict(step=step, tokens=tokens, seconds=round(elapsed, 2), loss=round(loss.item(), 5),
+                         lr=lr)
+            log.append(entry)
+            print(f"step {step}/{total or '?'} loss {entry['loss']:.4f} lr {lr:.2e} "
+                  f"{tokens / elapsed / 1000:.0f}K tokens/s", flush=True)
+    train_seconds = time.perf_counter() - loop_start
+
+    record = dict(config={k: v for k, v in asdict(config).items()}, num_parameters=num_params,
+                  device=str(device), torch=torch.__version__, workers=workers, steps=step,
+                  tokens=tokens, train_seconds=round(train_seconds, 1),
+                  tokens_per_second=round(tokens / max(train_seconds, 1e-9)),
+                  final_loss=log[-1]["loss"] if log else None, loss_curve=log)
+    save_checkpoint(model, config.out)
+    _write_record(config.out, record)
+    plot_loss(log, os.path.join(config.out, "loss_curve.png"))
+    print(f"saved the checkpoint to {config.out} after {step} steps ({tokens / 1e6:.1f}M tokens, "
+          f"{train_seconds:.0f} s)", flush=True)
+
+    if config.eval_problems:
+        del optimizer, forward, batches
+        model.to("cpu")
+        if on_cuda:
+            torch.cuda.empty_cache()
+        from zipage.quality.eval import evaluate_full_kv
+        result = evaluate_full_kv(config.out, tasks.held_out_problems(config.eval_problems, config.task),
+                                  device=str(device))
+        record["held_out"] = result
+        _write_record(config.out, record)
+        print(f"held-out greedy accuracy {result['accuracy']:.3f}, correct-prefix fraction "
+              f"{result['prefix_fraction']:.3f} on {config.eval_problems} problems", flush=True)
+    record["total_seconds"] = round(time.perf_counter() - started, 1)
+    _write_record(config.out, record)
+    return record
+
+
+def save_checkpoint(model, out: str) -> None:
+    """bf16 safetensors (13.8M parameters: 28 MB), config, generation config and tokenizer."""
+    from transformers import GenerationConfig
+
+    model.config.dtype = torch.bfloat16
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model.to(torch.float32)
+    eos = VOCAB.index("<|im_end|>")
+    GenerationConfig(eos_token_id=eos, pad_token_id=0, bos_token_id=None).save_pretrained(out)
+    save_tokenizer(out)
+
+
+def _write_record(out: str, record: dict) -> None:
+    with open(os.path.join(out, "training.json"), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def plot_loss(log: list[dict], path: str) -> bool:
+    """The loss curve as a PNG; False (and no file) when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    if not log:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([e["tokens"] / 1e6 for e in log], [e["loss"] for e in log])
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("loss (nats per solution token)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# -- command line -----------------------------------------------------------------
+def add_train_parser(sub) -> None:
+    p = sub.add_parser("train-synthetic", help="train the small reasoning model on the synthetic task")
+    add_train_args(p)
+    p.set_defaults(func=_run, from_module=False)
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig(out="")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run (tiny model and task, ~20 s)")
+    p.add_argument("--model-size", default=d.model_size, choices=sorted(MODEL_SIZES))
+    p.add_argument("--task", default=d.task, choices=sorted(tasks.SPECS))
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--max-minutes", type=float, default=d.max_minutes,
+                   help="wall-clock budget of the whole command, evaluation included")
+    p.add_argument("--steps", type=int, default=None, help="fixed number of optimizer steps")
+    p.add_argument("--batch-tokens", type=int, default=d.batch_tokens)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--device", default=None)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (untested on a GPU)")
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--eval-problems", type=int, default=d.eval_problems)
+    p.add_argument("--eval-reserve-s", type=float, default=d.eval_reserve_s)
+    p.add_argument("--log-every", type=int, default=d.log_every)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    command = " ".join(["python -m zipage.quality.train"] + sys.argv[1:]) if args.from_module else " ".join(
+        ["zipage"] + sys.argv[1:])
+    if args.tiny:
+        config = tiny_config(args.out)
+        config.command = command
+        return config
+    return TrainConfig(out=args.out, model_size=args.model_size, task=args.task, seed=args.seed,
+                       max_minutes=args.max_minutes, steps=args.steps, batch_tokens=args.batch_tokens,
+                       lr=args.lr, warmup_steps=args.warmup_steps, device=args.device, compile=args.compile,
+                       workers=args.workers, eval_problems=args.eval_problems,
+                       eval_reserve_s=args.eval_reserve_s, log_every=args.log_every, command=command)
+
+
+def _run(args: argparse.Namespace) -> int:
+    train(config_from_args(args))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zipage.quality.train", description=__doc__.split("\n")[0])
+    add_train_args(parser)
+    parser.set_defaults(from_module=True)
+    return _run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
