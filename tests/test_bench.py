@@ -10,7 +10,8 @@ from zipage.cli import main as cli_main
 def test_throughput_benchmark_small_scale_writes_results(tmp_path):
     out = tmp_path / "throughput"
     code = cli_main(["bench", "throughput", "--shape", "tiny", "--scale", "small", "--device", "cpu",
-                     "--hf-requests", "2", "--out", str(out)])
+                     "--hf-requests", "2", "--modes", "full,zipage,zipage+sync+no-hybrid+budget=48",
+                     "--out", str(out)])
     assert code == 0
     result = json.loads((out / "throughput.json").read_text())
     assert result["benchmark"] == "throughput" and result["workload"]["name"] == "reasoning-8k"
@@ -19,7 +20,10 @@ def test_throughput_benchmark_small_scale_writes_results(tmp_path):
         assert metrics["output_tokens"] == result["workload"]["output_tokens"]  # ignore_eos: all of them
         assert metrics["tokens_per_s"] > 0 and 0 < metrics["peak_block_occupancy"] <= 1
         assert len(result["timelines"][mode]) > 0
-    assert result["modes"]["zipage"]["num_compressions"] > 0
+    assert all(m["blocks_returned"] for m in result["modes"].values())
+    ablation = result["modes"]["zipage+sync+no-hybrid+budget=48"]
+    assert ablation["options"]["budget"] == 48 and not ablation["options"]["hybrid"]
+    assert ablation["num_compressions"] > result["modes"]["zipage"]["num_compressions"] > 0
     assert result["modes"]["full"]["num_compressions"] == 0
     assert result["hf_generate"]["tokens_per_s"] > 0 and "zipage_over_full" in result["ratios"]
     assert (out / "throughput.png").stat().st_size > 10_000
@@ -37,3 +41,32 @@ def test_throughput_workloads_are_seeded_and_long_tailed():
     assert all(128 <= len(r.prompt) <= 1024 for r in a)
     shared = make_workload("reasoning-16k", 3, 4, 1000, seed=1)
     assert len(shared) == 12 and shared[0].prompt == shared[3].prompt
+
+
+def test_throughput_mode_modifiers_and_bad_modes():
+    import argparse
+
+    import pytest
+
+    from zipage.bench.throughput import mode_options
+
+    args = argparse.Namespace(asynchronous=True, no_hybrid=False, no_prefix_caching=False, redundancy="lightning",
+                              enforce_eager=False)
+    settings = dict(budget=2048, block_size=256)
+    opts = mode_options("zipage+sync+raw+block=64", args, settings)
+    assert opts["compress"] and not opts["asynchronous"] and opts["redundancy"] == "raw" and opts["block_size"] == 64
+    assert not mode_options("full+eager", args, settings)["compress"]
+    for bad in ("fast", "zipage+turbo", "zipage+budget=x"):
+        with pytest.raises(ValueError, match="mode"):
+            mode_options(bad, args, settings)
+
+
+def test_peak_kv_demand_and_standard_request_count():
+    from zipage.bench.workloads import Request, make_workload, peak_kv_demand, requests_for_demand
+
+    reqs = make_workload("reasoning-8k", 30, 1, 1000, seed=5, scale=1 / 16)
+    brute = max(sum(len(r.prompt) + t for r in reqs if r.max_tokens > t) for t in range(0, 2000))
+    assert peak_kv_demand(reqs) == brute
+    assert peak_kv_demand([Request([1] * 10, 5), Request([2] * 3, 100)]) == max(10 + 4 + 3 + 4, 3 + 99)
+    chosen = requests_for_demand("reasoning-8k", 20_000, 1000, seed=5, scale=1 / 16)
+    assert peak_kv_demand(chosen) >= 20_000 > peak_kv_demand(chosen[:-1])

@@ -145,7 +145,8 @@ def test_engine_matches_reference_simulation(checkpoint_dir, name):
     """The engine's logits after every compression equal those of a float64 model that
     attends to exactly the tokens the reference policy keeps."""
     model_dir = checkpoint_dir("qwen3")
-    config = CompressionConfig(max_blocks_per_seq=4, window=8, attention_sink=2, policy=name)
+    config = CompressionConfig(max_blocks_per_seq=4, window=8, attention_sink=2, policy=name,
+                               asynchronous=False)  # a compressed request decodes in the same step
     llm = make_llm(model_dir, block_size=BLOCK, compression=config, enforce_eager=True)
     engine = llm.engine
     model = engine.runner.model

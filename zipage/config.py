@@ -108,7 +108,7 @@ class CompressionConfig:
     attention_sink: int = 0  # leading tokens always kept
     layer_group: int = 8  # layers scored and compacted together
     max_blocks_per_compression: int = 600  # caps one compression batch (scratch memory)
-    asynchronous: bool = False  # compress on a side CUDA stream while the others decode (see docs/compression.md)
+    asynchronous: bool = True  # compress on a side CUDA stream while the others decode (see docs/compression.md)
     hybrid: bool = True  # query slots from memory; requests without one decode while far from compressing
     query_slots: int | None = None  # fixes M instead of deriving it from memory
     policy: str = "zipage"  # or a baseline: "attention", "recency", "random" (see POLICIES)

@@ -19,7 +19,7 @@ import time
 import torch
 
 from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S, model_dir_for, print_table, write_json
-from zipage.bench.workloads import WORKLOADS, make_workload, mean_request_tokens
+from zipage.bench.workloads import WORKLOADS, make_workload, peak_kv_demand, requests_for_demand
 
 # The KV cache of the standard run: 48 GB of Qwen3-8B KV (144 KiB per token), an 80 GB-class
 # card holding an 8B model, as in the paper. Scaled runs scale it with the lengths.
@@ -44,12 +44,14 @@ def add_throughput_parser(sub) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=None,
                    help=f"KV cache size in tokens (default {STANDARD_CACHE_TOKENS} x scale)")
     p.add_argument("--whole-gpu", action="store_true", help="no cache cap: use gpu_memory_utilization")
-    p.add_argument("--modes", default="full,zipage")
+    p.add_argument("--modes", default="full,zipage",
+                   help=f"comma-separated: full or zipage, each with optional +modifiers ({MODIFIERS})")
     p.add_argument("--budget", type=int, default=None, help="Zipage kv_budget_tokens (default 2048)")
     p.add_argument("--block-size", type=int, default=None, help="default 256")
     p.add_argument("--window", type=int, default=None, help="default 16")
     p.add_argument("--redundancy", default="lightning", choices=["lightning", "raw", "off"])
-    p.add_argument("--asynchronous", action="store_true", help="compress on a side CUDA stream")
+    p.add_argument("--asynchronous", action=argparse.BooleanOptionalAction, default=None,
+                   help="compress on a side CUDA stream (default: CompressionConfig's, on)")
     p.add_argument("--no-hybrid", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
@@ -81,19 +83,68 @@ def _weight_bytes(model) -> int:
     return total - (embed.numel() * embed.element_size() if embed is not model.lm_head.weight else 0)
 
 
+MODIFIERS = "sync, async, no-hybrid, no-prefix, raw, no-redundancy, eager, budget=N, block=N"
+
+
+def mode_options(mode: str, args, settings: dict) -> dict:
+    """The engine options of a mode: ``full`` or ``zipage``, then ``+modifier``s (an ablation or a sweep
+    point), e.g. ``zipage+sync``, ``zipage+budget=1024+block=64``, ``full+eager``."""
+    base, *modifiers = mode.split("+")
+    if base not in ("full", "zipage"):
+        raise ValueError(f"mode {mode!r}: must start with 'full' or 'zipage'")
+    from zipage.config import CompressionConfig
+
+    asynchronous = CompressionConfig.asynchronous if args.asynchronous is None else args.asynchronous
+    opts = dict(compress=base == "zipage", asynchronous=asynchronous, hybrid=not args.no_hybrid,
+                prefix_caching=not args.no_prefix_caching, redundancy=args.redundancy,
+                enforce_eager=args.enforce_eager, budget=settings["budget"], block_size=settings["block_size"])
+    flags = {"sync": ("asynchronous", False), "async": ("asynchronous", True), "no-hybrid": ("hybrid", False),
+             "no-prefix": ("prefix_caching", False), "raw": ("redundancy", "raw"),
+             "no-redundancy": ("redundancy", "off"), "eager": ("enforce_eager", True)}
+    for m in modifiers:
+        name, _, value = m.partition("=")
+        if m in flags:
+            key, val = flags[m]
+            opts[key] = val
+        elif name in ("budget", "block") and value.isdigit():
+            opts["budget" if name == "budget" else "block_size"] = int(value)
+        else:
+            raise ValueError(f"mode {mode!r}: unknown modifier {m!r}; choose from {MODIFIERS}")
+    return opts
+
+
+def _warm_up(engine, runner, opts: dict, requests) -> None:
+    """Compile what the run will meet (prefill shapes, compression on both paths) before timing:
+    otherwise the first mode of a process pays it. Random prompts, so no prefix-cache hits carry over."""
+    from zipage import SamplingParams
+
+    rng = torch.Generator().manual_seed(12345)
+    block = opts["block_size"]
+    # Long enough to compress a few times (a long prompt's first compression runs eagerly).
+    prompt_lens = [block // 2, max(len(r.prompt) for r in requests)]
+    max_tokens = (opts["budget"] // block + 3) * block if opts["compress"] else 2 * block
+    for n in prompt_lens:
+        prompt = torch.randint(0, runner.vocab_size, (n,), generator=rng).tolist()
+        room = engine.config.scheduler.max_model_len - n
+        engine.add_request(prompt, SamplingParams(max_tokens=min(max_tokens, room), ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, requests, cache_tokens) -> dict:
     """Serve ``requests`` in one mode; return its metrics and per-step timeline."""
     from zipage import LLM, CompressionConfig, SamplingParams
 
+    opts = mode_options(mode, args, settings)
     compression = None
-    if mode == "zipage":
-        compression = CompressionConfig(kv_budget_tokens=settings["budget"], window=settings["window"],
-                                        redundancy=args.redundancy, asynchronous=args.asynchronous,
-                                        hybrid=not args.no_hybrid)
+    if opts["compress"]:
+        compression = CompressionConfig(kv_budget_tokens=opts["budget"], window=settings["window"],
+                                        redundancy=opts["redundancy"], asynchronous=opts["asynchronous"],
+                                        hybrid=opts["hybrid"])
     longest = max(len(r.prompt) + r.max_tokens for r in requests)
-    kwargs = dict(load_format=load_format, device=args.device, block_size=settings["block_size"],
+    kwargs = dict(load_format=load_format, device=args.device, block_size=opts["block_size"],
                   max_num_seqs=args.max_num_seqs, max_model_len=longest + 1, compression=compression,
-                  enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+                  enable_prefix_caching=opts["prefix_caching"], enforce_eager=opts["enforce_eager"],
                   seed=args.seed)
     probe_dtype = torch.bfloat16 if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu" \
         else torch.float32
@@ -106,9 +157,12 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
     engine, runner = llm.engine, llm.engine.runner
     kv_per_token = _kv_bytes_per_token(runner.spec, runner.dtype)
     weight_bytes = _weight_bytes(runner.model)
+    _warm_up(engine, runner, opts, requests)
+    compressions_before = engine.stats.num_compressions
     for i, r in enumerate(requests):
         engine.add_request(r.prompt, SamplingParams(temperature=args.temperature, max_tokens=r.max_tokens,
                                                     ignore_eos=True, seed=args.seed * 1_000_003 + i))
+    trace = runner.enable_trace()
     timeline, outputs = [], 0
     bm = engine.block_manager
     start = time.perf_counter()
@@ -130,20 +184,24 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
     total_time = sum(s["dt"] for s in timeline) or 1e-9
     host = sorted(s["host_s"] for s in decode)
     metrics = dict(
-        mode=mode, requests=len(requests), output_tokens=outputs, wall_s=wall,
+        mode=mode, options=opts, requests=len(requests), output_tokens=outputs, wall_s=wall,
         tokens_per_s=outputs / wall, requests_per_s=len(requests) / wall,
         mean_running=sum(s["running"] * s["dt"] for s in timeline) / total_time,
         peak_running=max(s["running"] for s in timeline), num_blocks=bm.num_blocks,
         mean_block_occupancy=sum(s["blocks"] * s["dt"] for s in timeline) / total_time / bm.num_blocks,
         peak_block_occupancy=max(s["blocks"] for s in timeline) / bm.num_blocks,
         compression_share=sum(s["compression_s"] for s in timeline) / wall,
-        num_compressions=engine.stats.num_compressions,
+        num_compressions=engine.stats.num_compressions - compressions_before,
         host_ms_per_decode_step=1000 * host[len(host) // 2] if host else None,
         decode_share=decode_time / wall,
         roofline_fraction=sum(bound) / decode_time if decode_time else None,
         steady_roofline_fraction=(sum(b for b, _ in steady) / sum(s["dt"] for _, s in steady)) if steady else None,
         roofline_tokens_per_s=sum(s["seqs"] for s in decode) / sum(bound) if bound else None,
-        query_slots=runner.num_query_slots)
+        query_slots=runner.num_query_slots,
+        blocks_returned=bm.num_free_blocks == bm.num_blocks and all(c == 0 for c in bm.ref_counts),
+        gpu_timeline=trace.summary() if trace else None)
+    if not metrics["blocks_returned"]:
+        raise RuntimeError(f"{mode}: {bm.num_blocks - bm.num_free_blocks} KV blocks were not returned")
     del llm, engine, runner
     gc.collect()
     if torch.cuda.is_available():
@@ -229,14 +287,22 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
     from zipage.utils.loader import load_config
     vocab = load_config(model_dir).vocab_size
     cache_tokens = args.kv_cache_tokens or int(STANDARD_CACHE_TOKENS * scale)
-    count = args.num_requests or math.ceil(2 * cache_tokens / mean_request_tokens(args.workload, scale))
-    num_prompts = math.ceil(count / args.samples_per_prompt)
-    requests = make_workload(args.workload, num_prompts, args.samples_per_prompt, vocab, args.seed, scale)
+    if args.num_requests:
+        requests = make_workload(args.workload, math.ceil(args.num_requests / args.samples_per_prompt),
+                                 args.samples_per_prompt, vocab, args.seed, scale)
+    else:  # the standard run: peak KV demand twice the cache
+        requests = requests_for_demand(args.workload, 2 * cache_tokens, vocab, args.seed, scale,
+                                       args.samples_per_prompt)
+    demand = peak_kv_demand(requests)
     print(f"{args.workload} x{scale:g}: {len(requests)} requests, {sum(r.max_tokens for r in requests)} output "
-          f"tokens; KV cache {'whole GPU' if args.whole_gpu else f'{cache_tokens} tokens'}")
+          f"tokens, peak KV demand {demand} tokens ({demand / cache_tokens:.2f} x the cache); KV cache "
+          f"{'whole GPU' if args.whole_gpu else f'{cache_tokens} tokens'}")
 
+    modes = args.modes.split(",")
+    for mode in modes:  # reject a bad mode before any run
+        mode_options(mode, args, settings)
     results = {mode: run_mode(mode, args, settings, model_dir, load_format, requests, cache_tokens)
-               for mode in args.modes.split(",")}
+               for mode in modes}
     hf = run_hf(args, settings, model_dir, load_format, requests)
     rows = [r["metrics"] for r in results.values()]
     columns = ["mode", "tokens_per_s", "requests_per_s", "mean_running", "peak_running", "mean_block_occupancy",
@@ -244,14 +310,22 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
     print()
     print_table(rows, columns)
     ratios = {}
-    if "full" in results and "zipage" in results:
-        ratios["zipage_over_full"] = (results["zipage"]["metrics"]["tokens_per_s"]
-                                      / results["full"]["metrics"]["tokens_per_s"])
+    full = next((m for m in results if m.split("+")[0] == "full"), None)
+    for mode in results:
+        if full and mode.split("+")[0] == "zipage":
+            ratios[f"{mode}_over_{full}"] = (results[mode]["metrics"]["tokens_per_s"]
+                                             / results[full]["metrics"]["tokens_per_s"])
     if hf:
         for mode, run in results.items():
             ratios[f"{mode}_over_hf"] = run["metrics"]["tokens_per_s"] / hf["tokens_per_s"]
         print(f"transformers generate: {hf['tokens_per_s']:.1f} tokens/s ({hf['requests']} requests)")
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
+    for mode, run in results.items():
+        gpu = run["metrics"]["gpu_timeline"]
+        if gpu:
+            print(f"{mode}: GPU idle {gpu['idle_ms_per_step']:.2f} ms/step ({gpu['gpu_idle_s']:.1f} of "
+                  f"{gpu['gpu_span_s']:.1f} s); compression {gpu['compression_gpu_s']:.2f} s on the GPU, "
+                  f"{100 * (gpu['compression_hidden_fraction'] or 0):.0f}% hidden under decode steps")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         plot(results, os.path.join(args.out, "throughput.png"))
@@ -260,10 +334,11 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
             benchmark="throughput", model=args.model or args.shape, settings=settings,
             workload=dict(name=args.workload, seed=args.seed, scale=scale, requests=len(requests),
                           samples_per_prompt=args.samples_per_prompt, cache_tokens=cache_tokens,
+                          peak_kv_demand=demand,
                           output_tokens=sum(lengths), mean_output=sum(lengths) / len(lengths),
                           max_output=max(lengths),
                           mean_prompt=sum(len(r.prompt) for r in requests) / len(requests)),
-            options=dict(asynchronous=args.asynchronous, hybrid=not args.no_hybrid,
+            options=dict(hybrid=not args.no_hybrid,
                          prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
                          redundancy=args.redundancy, temperature=args.temperature),
             modes={m: r["metrics"] for m, r in results.items()}, hf_generate=hf, ratios=ratios,

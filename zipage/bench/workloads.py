@@ -53,3 +53,36 @@ def mean_request_tokens(name: str, scale: float = 1.0) -> float:
     """Expected prompt + output tokens of one request (for sizing a run)."""
     rng = np.random.default_rng(0)
     return float(sum(x * scale for x in PROMPT_RANGE) / 2 + output_lengths(name, 100_000, rng, scale).mean())
+
+
+def peak_kv_demand(requests: list[Request]) -> int:
+    """The most KV tokens the requests would hold at once if all were admitted together and each
+    freed its cache on finishing: max over t of the sum, over requests still running at decode
+    step t, of prompt + t. Between two finishes the sum grows, so the peak is just before one."""
+    outputs = np.array([r.max_tokens for r in requests])
+    prompts = np.array([len(r.prompt) for r in requests])
+    steps = np.unique(outputs) - 1
+    alive = outputs[None, :] > steps[:, None]  # [steps, requests]
+    demand = (alive * (prompts[None, :] + steps[:, None])).sum(axis=1)
+    return int(demand.max())
+
+
+def requests_for_demand(name: str, target_tokens: int, vocab_size: int, seed: int, scale: float = 1.0,
+                        samples_per_prompt: int = 1) -> list[Request]:
+    """The shortest seeded workload whose peak KV demand reaches ``target_tokens``."""
+    count = max(1, math.ceil(target_tokens / mean_request_tokens(name, scale)))
+    while True:
+        requests = make_workload(name, math.ceil(count / samples_per_prompt), samples_per_prompt, vocab_size,
+                                 seed, scale)
+        if peak_kv_demand(requests) >= target_tokens:
+            # Workloads are prefixes of longer ones (same seed), so trim to the first that reaches it.
+            lo, hi = 1, len(requests)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if peak_kv_demand(requests[:mid]) >= target_tokens:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return requests[:lo]
+        count *= 2
+

@@ -11,13 +11,29 @@ CPU their PyTorch twins, which call the pure functions of ``policy.py``.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from zipage.compression import policy
 from zipage.compression.planner import CompressionTask
 from zipage.config import CompressionConfig
+
+
+@dataclass
+class BatchInputs:
+    """One compression batch on the device: R requests, W source blocks, T target blocks."""
+
+    sources: torch.Tensor  # int32 [R, W] block tables before compaction (zero-padded)
+    targets: torch.Tensor  # int32 [R, T] blocks receiving the kept tokens
+    lengths: torch.Tensor  # int64 [R] cached tokens before compaction
+    num_previous: torch.Tensor  # int64 [R] leading tokens with a history score
+    pool: torch.Tensor  # bool [R] max-pool this request's scores
+    rows: torch.Tensor  # int64 [R, window] query-cache rows of the window, oldest first
+    keep: int  # tokens kept per (layer, KV head)
+    n_max: int  # W * block_size
+    use_history: bool  # some request carries history scores
+    any_pool: bool  # some request pools
 
 
 class Compressor:
@@ -42,6 +58,7 @@ class Compressor:
         self._generator = None  # random eviction draws from its own seeded generator: repeatable runs
         if config.policy == "random":
             self._generator = torch.Generator(device=kv_cache.device).manual_seed(0)
+        self.graphs = None  # CompressionGraphs for the steady-state shape (the runner sets it on CUDA)
         # Seconds per stage, accumulated when a benchmark sets this to a dict (synchronises).
         self.stage_seconds: dict[str, float] | None = None
         self._mark_time = 0.0
@@ -72,30 +89,54 @@ class Compressor:
     @torch.inference_mode()
     def run(self, tasks: list[CompressionTask]) -> None:
         for batch in self.batches(tasks):
-            self._run_batch(batch)
+            if self.graphs is not None and self.stage_seconds is None and self.graphs.fits(batch):
+                self.graphs.run(batch)
+            else:
+                self._run_batch(batch)
 
     def _run_batch(self, tasks: list[CompressionTask]) -> None:
-        cfg, bs, device = self.config, self.block_size, self.kv_cache.device
-        window = cfg.window
-        keep = tasks[0].keep
-        width = max(len(t.source_blocks) for t in tasks)
-        n_max = width * bs
-        sources = torch.zeros(len(tasks), width, dtype=torch.int32)
-        for i, t in enumerate(tasks):
-            sources[i, :len(t.source_blocks)] = torch.tensor(t.source_blocks, dtype=torch.int32)
-        sources = sources.to(device)
-        targets = torch.tensor([t.target_blocks for t in tasks], dtype=torch.int32, device=device)
-        lengths = torch.tensor([t.num_tokens for t in tasks], dtype=torch.int64, device=device)
-        num_previous = torch.tensor([t.num_previous for t in tasks], dtype=torch.int64, device=device)
-        pool = torch.tensor([t.pool for t in tasks], dtype=torch.bool, device=device)
-        # Window rows, oldest first: the query of absolute position p sits in ring row p % window.
-        rows = torch.tensor([[t.seq.query_slot * window + (t.last_position - window + 1 + i) % window
-                              for i in range(window)] for t in tasks], dtype=torch.int64, device=device)
-        use_history = cfg.global_score_decay is not None and any(t.num_previous > 0 for t in tasks)
-        history_config = cfg if use_history else replace(cfg, global_score_decay=None)
-        any_pool = cfg.pooling_width is not None and any(t.pool for t in tasks)
+        inputs = self.batch_inputs(tasks)
         self._mark(None)
+        self.compress(inputs)
 
+    def host_inputs(self, tasks: list[CompressionTask], width: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's numbers on the host, padded to ``rows`` requests (repeating the last) and ``width``
+        blocks: int32 [rows, width + T] block tables (sources, then targets) and int64 [rows, 3 + window]
+        (tokens, tokens with a history score, pool, then the window's query-cache rows)."""
+        window = self.config.window
+        padded = tasks + [tasks[-1]] * (rows - len(tasks))
+        tables = torch.zeros(rows, width + len(tasks[0].target_blocks), dtype=torch.int32)
+        numbers = torch.empty(rows, 3 + window, dtype=torch.int64)
+        for i, t in enumerate(padded):
+            tables[i, :len(t.source_blocks)] = torch.tensor(t.source_blocks, dtype=torch.int32)
+            tables[i, width:] = torch.tensor(t.target_blocks, dtype=torch.int32)
+            # Window rows, oldest first: the query of absolute position p sits in ring row p % window.
+            numbers[i] = torch.tensor([t.num_tokens, t.num_previous, t.pool] + [
+                t.seq.query_slot * window + (t.last_position - window + 1 + j) % window for j in range(window)])
+        if self.kv_cache.is_cuda:  # pinned: the copies below do not wait for the device
+            tables, numbers = tables.pin_memory(), numbers.pin_memory()
+        return tables, numbers
+
+    def batch_inputs(self, tasks: list[CompressionTask], width: int | None = None,
+                     rows: int | None = None) -> BatchInputs:
+        """The tensors of a batch on the device (see ``host_inputs``)."""
+        cfg, device = self.config, self.kv_cache.device
+        width = width or max(len(t.source_blocks) for t in tasks)
+        tables, numbers = self.host_inputs(tasks, width, rows or len(tasks))
+        tables, numbers = tables.to(device, non_blocking=True), numbers.to(device, non_blocking=True)
+        return BatchInputs(
+            sources=tables[:, :width], targets=tables[:, width:], lengths=numbers[:, 0], num_previous=numbers[:, 1],
+            pool=numbers[:, 2] != 0, rows=numbers[:, 3:], keep=tasks[0].keep, n_max=width * self.block_size,
+            use_history=cfg.global_score_decay is not None and any(t.num_previous > 0 for t in tasks),
+            any_pool=cfg.pooling_width is not None and any(t.pool for t in tasks))
+
+    def compress(self, b: BatchInputs) -> None:
+        """Score and compact one batch: GPU work only, no host synchronisation (graph-capturable)."""
+        cfg, bs = self.config, self.block_size
+        sources, targets, lengths, num_previous, rows = b.sources, b.targets, b.lengths, b.num_previous, b.rows
+        keep, n_max, use_history = b.keep, b.n_max, b.use_history
+        history_config = cfg if use_history else replace(cfg, global_score_decay=None)
+        pool = b.pool if b.any_pool else False
         for first in range(0, self.num_layers, cfg.layer_group):
             layers = slice(first, min(first + cfg.layer_group, self.num_layers))
             kv_group = self.kv_cache[:, layers]
@@ -125,7 +166,7 @@ class Compressor:
                 previous = self._gather_keys(self.score_cache[layers].unsqueeze(-1), sources, num_previous,
                                              n_max).squeeze(-1)
             kept, history = policy.choose_tokens(attention, redundancy, lengths, previous, num_previous,
-                                                 history_config, keep, pool if any_pool else False)
+                                                 history_config, keep, pool)
             new_scores = history.gather(-1, kept) if self.score_cache is not None else None
             self._mark("history and top-k")
             score_group = self.score_cache[layers] if self.score_cache is not None else None

@@ -5,6 +5,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zipage.layers.fusion import fused
+
+
+def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+@fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_eager(x, weight, eps)
+
+
+@fused
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``(norm(x + residual), x + residual)``."""
+    x = x + residual
+    return rms_norm_eager(x, weight, eps), x
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -12,15 +33,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``; with ``residual``, returns ``(norm(x + residual), x + residual)``."""
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

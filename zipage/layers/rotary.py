@@ -7,6 +7,9 @@ import math
 import torch
 from torch import nn
 
+from zipage.layers.fusion import fused
+from zipage.layers.norm import rms_norm_eager
+
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Per-pair rotation frequencies, with Llama 3 or linear scaling applied."""
@@ -30,6 +33,26 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) 
     raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+@fused
+def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+@fused
+def norm_and_apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+                        q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float):
+    """Qwen3's per-head RMSNorm of queries and keys, then RoPE, in one kernel when fused."""
+    q, k = rms_norm_eager(q, q_weight, eps), rms_norm_eager(k, k_weight, eps)
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
         super().__init__()
@@ -37,11 +60,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate ``q`` [tokens, heads, dim] and ``k`` [tokens, kv_heads, dim] by position."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return apply_rope(positions, q, k, self.cos_sin)

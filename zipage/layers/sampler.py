@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zipage.layers.fusion import fused
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -46,6 +48,15 @@ def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int)
     # 2**24, giving uniform == 1 and noise -0.0, and 0 / -0.0 = NaN won the argmax).
     uniform = (_shift_right(x, 41).float() + 0.5) * (1.0 / (1 << 23))  # in (0, 1)
     return -torch.log(uniform)
+
+
+@fused
+def exponential_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                     steps: torch.Tensor) -> torch.Tensor:
+    """``argmax(softmax(logits / T) / E)``, taken in log space: softmax's normaliser is the
+    same for a whole row, so the winner is ``argmax(logits / T - log E)`` (one pass when fused)."""
+    noise = exponential_noise(seeds, steps, logits.shape[-1])
+    return (logits / temperatures[:, None] - torch.log(noise)).argmax(dim=-1)
 
 
 @dataclass
@@ -103,9 +114,8 @@ class Sampler:
         if st.all_greedy:
             return greedy
         temperatures = torch.where(st.temperatures > 0, st.temperatures, torch.ones_like(st.temperatures))
-        logits = logits / temperatures[:, None]
         if st.top_k is not None or st.top_p is not None or st.min_p is not None:
-            logits = apply_top_k_top_p_min_p(logits, st.top_k, st.top_p, st.min_p)
-        probs = logits.softmax(dim=-1)
-        sampled = (probs / exponential_noise(st.seeds, st.steps, logits.shape[-1])).argmax(dim=-1)
+            logits = apply_top_k_top_p_min_p(logits / temperatures[:, None], st.top_k, st.top_p, st.min_p)
+            temperatures = torch.ones_like(temperatures)
+        sampled = exponential_race(logits, temperatures, st.seeds, st.steps)
         return torch.where(st.temperatures > 0, sampled, greedy)

@@ -17,7 +17,7 @@ from zipage.layers.attention import Attention
 from zipage.layers.embedding import LMHead, VocabEmbedding
 from zipage.layers.linear import Linear, gate_up_linear, qkv_linear
 from zipage.layers.norm import RMSNorm
-from zipage.layers.rotary import RotaryEmbedding
+from zipage.layers.rotary import RotaryEmbedding, norm_and_apply_rope
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,10 @@ class DecoderAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = norm_and_apply_rope(positions, q, k, self.rotary_emb.cos_sin, self.q_norm.weight,
+                                       self.k_norm.weight, self.q_norm.eps)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v).flatten(1))
 
 

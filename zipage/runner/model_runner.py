@@ -16,11 +16,14 @@ from zipage.attention.backend import select_backend
 from zipage.attention.metadata import AttentionMetadata, attention_metadata
 from zipage.config import DTYPES, EngineConfig
 from zipage.engine.sequence import Sequence
+from zipage.layers.fusion import enable_fusion
 from zipage.layers.sampler import Sampler
 from zipage.models.registry import build_model
 from zipage.runner.cuda_graph import DecodeGraphs
 from zipage.runner.inputs import InputBuilder, sampling_tensors
 from zipage.compression.executor import Compressor
+from zipage.compression.graphs import CompressionGraphs
+from zipage.runner.trace import GpuTrace
 from zipage.runner.kv_cache import allocate_kv_cache, allocate_query_cache, allocate_score_cache, plan_cache
 from zipage.utils.loader import init_dummy_weights, load_weights
 
@@ -66,6 +69,8 @@ class ModelRunner:
         self.spec = self.model.spec
         self.vocab_size = self.spec.vocab_size
 
+        # Compiled elementwise kernels on CUDA (process-wide switch; see layers/fusion.py).
+        enable_fusion(self.device.type == "cuda" and not config.enforce_eager)
         self.backend = select_backend(config.attention_backend, self.device)
         for layer in self.model.attention_layers():
             layer.backend = self.backend
@@ -89,8 +94,13 @@ class ModelRunner:
                 score_cache = allocate_score_cache(self.spec, self.num_blocks, self.block_size, self.device)
             self.compressor = Compressor(compression, self.kv_cache, score_cache, self.query_cache,
                                          self.spec.head_dim ** -0.5, self.block_size)
+            if self.device.type == "cuda" and not config.enforce_eager and compression.policy == "zipage":
+                per_batch = compression.max_blocks_per_compression // compression.max_blocks_per_seq
+                self.compressor.graphs = CompressionGraphs(self.compressor, min(self.num_query_slots, per_batch))
+                self.compressor.graphs.capture()
         self.last_prepare_s = 0.0  # host time of the last step's input preparation
         self.compression_stream = None
+        self.trace: GpuTrace | None = None
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, sched.max_num_seqs, self.max_blocks_per_seq, self.device,
@@ -119,9 +129,18 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         del hidden
 
+    def enable_trace(self) -> GpuTrace | None:
+        """Record CUDA events around every step and compression from now on (CUDA only)."""
+        if self.device.type == "cuda":
+            self.trace = GpuTrace(self.device)
+        return self.trace
+
     def compress(self, tasks) -> None:
         """Compact the planned requests' caches (before this step's forward writes anything)."""
+        start = self.trace.mark() if self.trace else None
         self.compressor.run(tasks)
+        if self.trace:
+            self.trace.compressions.append((start, self.trace.mark()))
 
     def start_compression(self, tasks):
         """Launch a compaction that overlaps the following decode steps.
@@ -136,9 +155,12 @@ class ModelRunner:
             self.compression_stream = torch.cuda.Stream(self.device)
         self.compression_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.compression_stream):
+            start = self.trace.mark() if self.trace else None
             self.compressor.run(tasks)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=self.trace is not None)
             done.record()
+        if self.trace:
+            self.trace.compressions.append((start, done))
         return done
 
     @staticmethod
@@ -157,6 +179,7 @@ class ModelRunner:
         inputs = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
         st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device)
         self.last_prepare_s = time.perf_counter() - start
+        begin = self.trace.mark() if self.trace else None
         if not is_prefill and self.graphs is not None and self.graphs.can_run(len(seqs)):
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
         else:
@@ -165,4 +188,7 @@ class ModelRunner:
             if inputs.logits_indices is not None:
                 hidden = hidden[inputs.logits_indices]
             logits = self.model.compute_logits(hidden)
-        return self.sampler(logits, st).tolist()
+        token_ids = self.sampler(logits, st)
+        if self.trace:
+            self.trace.steps.append((begin, self.trace.mark()))
+        return token_ids.tolist()
