@@ -477,3 +477,20 @@ def test_block_manager_invariants_under_random_operations(num_blocks, block_size
         getattr(harness, name)(*args)
         harness.check()
     harness.free_all()
+
+
+def test_finished_asynchronous_compaction_keeps_one_private_block_as_the_working_block():
+    from zipage.engine.block_manager import BlockManager
+
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq(list(range(16)))
+    bm.allocate(seq)  # 4 full blocks, the full ones registered in the prefix cache
+    seq.kv_len = 16
+    sources, targets, pending = bm.compact(seq, 3, defer_release=True)
+    seq.kv_len = 12
+    assert len(targets) == 3 and len(pending) == 1 and bm.num_free_blocks == 4
+    bm.finish_compaction(seq, pending)
+    assert seq.block_table.array().tolist() == targets + pending  # next token goes into the reused block
+    assert bm.block_hash[pending[0]] is None and bm.num_free_blocks == 4 and not bm.needs_block(seq)
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and bm.ref_counts == [0] * 8

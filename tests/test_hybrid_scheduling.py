@@ -417,8 +417,15 @@ class HybridEngine:
         self.in_flight = None  # the compaction is done: its sources may be written from now on
         self.sched.finish_compressions(tasks)
         released = Counter(b for t in tasks for b in t.pending_release)
+        reused = Counter()  # a private pending block may become the request's next working block
+        for task in tasks:
+            table = list(task.seq.block_table)
+            if len(table) > len(task.target_blocks):
+                assert len(table) == len(task.target_blocks) + 1 and table[-1] in task.pending_release
+                assert refs_before[table[-1]] == 1 and task.seq.kv_len == len(task.target_blocks) * self.bs
+                reused[table[-1]] += 1
         for b in range(self.bm.num_blocks):
-            assert self.bm.ref_counts[b] == refs_before[b] - released[b]
+            assert self.bm.ref_counts[b] == refs_before[b] - released[b] + reused[b]
         for task in tasks:
             assert not task.seq.compressing
         assert not self.sched.compression_in_flight
@@ -680,9 +687,9 @@ def test_restricted_mode_slot_holder_proceeds_when_a_compression_releases_blocks
     assert eng.bm.num_free_blocks == 0
     batch = eng.step()  # still running (delay 1) and nothing else can run: the engine waits for it
     assert eng.stats["waited"] == 1 and not a.compressing
-    # B takes the block A's compaction released; A (it needs a working block) waits in turn.
-    assert batch.seqs == [b] and not batch.preempted and b.kv_len == 5
-    assert a.status is SequenceStatus.RUNNING and a.query_slot == 1
+    # A keeps the block its compaction released as its working block and decodes; B waits on.
+    assert batch.seqs == [a] and not batch.preempted and b.kv_len == 4
+    assert b.status is SequenceStatus.RUNNING and b.query_slot == 0
     eng.run()
     eng.check_done()
     assert eng.sched.num_preemptions == 0
@@ -764,7 +771,9 @@ def test_scheduler_alone_keeps_a_compressing_request_out_until_finish_compressio
     assert bm.num_free_blocks <= free_before
     sched.finish_compressions([task])
     assert not a.compressing and not sched.compression_in_flight
-    assert bm.ref_counts[source[1]] == 0 and source[1] in bm.free_blocks
+    # A's next token starts a block: the released source block becomes it (not back to the pool).
+    assert bm.ref_counts[source[1]] == 1 and list(a.block_table) == [source[0], source[1]]
+    assert source[1] not in bm.free_blocks
     batch = sched.schedule()
     assert a in batch.seqs
 

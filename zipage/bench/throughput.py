@@ -173,7 +173,7 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
         outputs += sum(len(o.outputs[0].token_ids) for o in finished)
         timeline.append(dict(t=now - start, dt=now - step_start, prefill=stats.is_prefill, seqs=stats.num_seqs,
                              tokens=stats.num_tokens, host_s=stats.host_s, compression_s=stats.compression_s,
-                             kv_tokens=stats.kv_tokens, running=stats.num_running,
+                             kv_tokens=stats.kv_tokens, running=stats.num_running, preempted=stats.num_preempted,
                              blocks=bm.num_blocks - bm.num_free_blocks))
     wall = time.perf_counter() - start
     decode = [s for s in timeline if not s["prefill"] and s["seqs"]]
@@ -192,6 +192,7 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
         peak_block_occupancy=max(s["blocks"] for s in timeline) / bm.num_blocks,
         compression_share=sum(s["compression_s"] for s in timeline) / wall,
         num_compressions=engine.stats.num_compressions - compressions_before,
+        num_preemptions=sum(s["preempted"] for s in timeline),
         host_ms_per_decode_step=1000 * host[len(host) // 2] if host else None,
         decode_share=decode_time / wall,
         roofline_fraction=sum(bound) / decode_time if decode_time else None,

@@ -196,6 +196,26 @@ class BlockManager:
         self.release(dropped)
         return sources, targets, []
 
+    def finish_compaction(self, seq: Sequence, pending: list[int]) -> None:
+        """An asynchronous compaction of ``seq`` is done: release the blocks it still read.
+
+        If ``seq``'s next token needs a new block, one of those (a private one) becomes that
+        block instead of going back to the pool, where the next admission could take it and
+        force a preemption to find ``seq`` another. Its old contents are dead: its
+        prefix-cache entry is dropped.
+        """
+        if self.needs_block(seq):
+            for i, block_id in enumerate(pending):
+                if self.ref_counts[block_id] == 1:  # only seq's deferred reference
+                    stale = self.block_hash[block_id]
+                    if stale is not None:
+                        del self.hash_to_block[stale]
+                        self.block_hash[block_id] = None
+                    seq.block_table.append(block_id)
+                    pending = pending[:i] + pending[i + 1:]
+                    break
+        self.release(pending)
+
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; unreferenced blocks return to the pool."""
         for block_id in block_ids:

@@ -193,7 +193,7 @@ class Scheduler:
     def finish_compressions(self, tasks: list[CompressionTask]) -> None:
         """An asynchronous compression batch is done: release its sources, resume its requests."""
         for task in tasks:
-            self.block_manager.release(task.pending_release)
+            self.block_manager.finish_compaction(task.seq, task.pending_release)
             task.seq.compressing = False
         self.compression_in_flight = False
 
