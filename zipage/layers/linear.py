@@ -1,7 +1,16 @@
-"""Linear layers whose weights may be packed from several checkpoint tensors.
+"""Linear layers, whole or split across the tensor-parallel group.
 
 Fusing q/k/v (and gate/up) into one matrix turns three (two) small matmuls into
-one; ``weight_loader`` knows where each checkpoint tensor goes in the fused one.
+one; ``weight_loader`` knows where each checkpoint tensor goes in the fused one,
+and which of its rows (columns) this rank keeps.
+
+- ``ColumnParallelLinear`` splits the output features: each named part (q, k, v;
+  gate, up) is cut on its own, in units (heads, rows), so a rank's output is its
+  own heads or its own slice of the MLP, usable without communication.
+- ``RowParallelLinear`` splits the input features (the heads of ``o_proj``, the
+  MLP slice of ``down_proj``) and sums the partial outputs over the group.
+
+With one process both are plain linear layers over the whole checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -10,47 +19,106 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zipage.distributed import all_reduce, partition, tp_size
+
+
+def copy_checked(target: torch.Tensor, loaded: torch.Tensor, what: str = "") -> None:
+    if tuple(loaded.shape) != tuple(target.shape):
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a "
+                         f"parameter slice of shape {tuple(target.shape)}{what}")
+    target.copy_(loaded)
+
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)``, with a loader that checks shapes."""
+    """``y = x W^T (+ b)`` with the whole weight on every rank."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 shard_sizes: dict | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        # shard name -> (row offset, rows) inside the fused weight
-        self.shard_slices: dict = {}
-        if shard_sizes:
-            offset = 0
-            for name, rows in shard_sizes.items():
-                self.shard_slices[name] = (offset, rows)
-                offset += rows
-            assert offset == out_features, (shard_sizes, out_features)
         for param in (self.weight, self.bias):
             if param is not None:
                 param.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
-        target = param.data
-        if shard is not None:
-            offset, rows = self.shard_slices[shard]
-            target = target.narrow(0, offset, rows)
-        if tuple(loaded.shape) != tuple(target.shape):
-            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a "
-                             f"parameter slice of shape {tuple(target.shape)} (shard {shard!r})")
-        target.copy_(loaded)
+        copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
-def qkv_linear(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool) -> Linear:
-    sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
-    return Linear(hidden_size, sum(sizes.values()), bias, shard_sizes=sizes)
+class ColumnParallelLinear(Linear):
+    """Output features split across ranks, part by part.
+
+    ``parts`` maps a checkpoint shard name to ``(units, rows per unit)``; the fused
+    weight holds this rank's units of every part, in the order given.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, tuple[int, int]], bias: bool = False):
+        # shard name -> (row offset in the local weight, local rows, first row in the checkpoint tensor, its rows)
+        self.shard_slices: dict[str, tuple[int, int, int, int]] = {}
+        offset = 0
+        for name, (units, unit_rows) in parts.items():
+            first, count = partition(units, name)
+            self.shard_slices[name] = (offset, count * unit_rows, first * unit_rows, units * unit_rows)
+            offset += count * unit_rows
+        super().__init__(in_features, offset, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
+        offset, rows, source, full_rows = self.shard_slices[shard]
+        what = f" (shard {shard!r})"
+        if loaded.shape[0] != full_rows:
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} has {loaded.shape[0]} rows; "
+                             f"shard {shard!r} needs {full_rows}")
+        copy_checked(param.data.narrow(0, offset, rows), loaded.narrow(0, source, rows), what)
 
 
-def gate_up_linear(hidden_size: int, intermediate_size: int, bias: bool) -> Linear:
-    return Linear(hidden_size, 2 * intermediate_size, bias,
-                  shard_sizes={"gate": intermediate_size, "up": intermediate_size})
+class RowParallelLinear(Linear):
+    """Input features split across ranks; the partial products are summed over the group.
+
+    The bias is whole on every rank and added once, after the sum.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.tp_size = tp_size()
+        first, count = partition(in_features, "in_features")
+        if count * self.tp_size != in_features:
+            raise ValueError(f"in_features={in_features} cannot be split over {self.tp_size} ranks")
+        self.first_column = first
+        super().__init__(count, out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
+        if param is self.weight and self.tp_size > 1:
+            full = self.in_features * self.tp_size
+            if loaded.dim() != 2 or loaded.shape[1] != full:
+                raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not have the "
+                                 f"{full} input columns of this layer")
+            loaded = loaded.narrow(1, self.first_column, self.in_features)
+        copy_checked(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def qkv_linear(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool) -> ColumnParallelLinear:
+    """Each rank gets ``num_heads / size`` query heads and the KV heads they use (replicated
+    when there are fewer KV heads than ranks)."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    parts = {"q": (num_heads, head_dim), "k": (num_kv_heads, head_dim), "v": (num_kv_heads, head_dim)}
+    return ColumnParallelLinear(hidden_size, parts, bias)
+
+
+def gate_up_linear(hidden_size: int, intermediate_size: int, bias: bool) -> ColumnParallelLinear:
+    """Each rank gets the same slice of gate and of up, so SwiGLU runs locally."""
+    return ColumnParallelLinear(hidden_size, {"gate": (intermediate_size, 1), "up": (intermediate_size, 1)}, bias)
+
+
+def local_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """(query heads, KV heads) one rank holds."""
+    return partition(num_heads, "num_heads")[1], partition(num_kv_heads, "num_kv_heads")[1]
+

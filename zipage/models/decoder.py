@@ -7,7 +7,7 @@ RoPE scaling read from the config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from torch import nn
 from zipage.layers.activation import SiluAndMul
 from zipage.layers.attention import Attention
 from zipage.layers.embedding import LMHead, VocabEmbedding
-from zipage.layers.linear import Linear, gate_up_linear, qkv_linear
+from zipage.layers.linear import RowParallelLinear, gate_up_linear, local_heads, qkv_linear
 from zipage.layers.norm import RMSNorm
 from zipage.layers.rotary import RotaryEmbedding, norm_and_apply_rope
 
@@ -45,16 +45,18 @@ class DecoderSpec:
 class DecoderAttention(nn.Module):
     def __init__(self, spec: DecoderSpec, layer_index: int, max_position: int):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        # this rank's heads (all of them without tensor parallelism)
+        self.num_heads, self.num_kv_heads = local_heads(spec.num_heads, spec.num_kv_heads)
+        self.head_dim = spec.head_dim
+        self.q_size, self.kv_size = self.num_heads * spec.head_dim, self.num_kv_heads * spec.head_dim
         self.qkv_proj = qkv_linear(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.qkv_bias)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, spec.o_bias)
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, spec.o_bias)
         self.rotary_emb = RotaryEmbedding(spec.head_dim, max_position, spec.rope_theta, spec.rope_scaling)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
-        self.attn = Attention(layer_index, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5)
+        self.attn = Attention(layer_index, self.num_heads, self.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -73,7 +75,7 @@ class DecoderMLP(nn.Module):
     def __init__(self, spec: DecoderSpec):
         super().__init__()
         self.gate_up_proj = gate_up_linear(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias)
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +135,12 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    @property
+    def local_spec(self) -> DecoderSpec:
+        """The spec with this rank's head counts: what its KV, query and score caches hold."""
+        num_heads, num_kv_heads = local_heads(self.spec.num_heads, self.spec.num_kv_heads)
+        return replace(self.spec, num_heads=num_heads, num_kv_heads=num_kv_heads)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

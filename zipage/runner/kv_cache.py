@@ -73,7 +73,7 @@ def allocate_query_cache(model, num_slots: int, window: int, dtype, device) -> t
     position p in row s * window + p % window; the last row absorbs the writes of
     tokens that save no query (so the write needs no branch and suits CUDA graphs).
     """
-    spec = model.spec
+    spec = model.local_spec
     queries = torch.zeros(spec.num_layers, num_slots * window + 1, spec.num_heads, spec.head_dim,
                           dtype=dtype, device=device)
     for i, layer in enumerate(model.attention_layers()):
@@ -89,7 +89,7 @@ def allocate_score_cache(spec, num_blocks: int, block_size: int, device) -> torc
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) -> torch.Tensor:
     """One tensor for all layers; each attention layer gets views of its K and V."""
-    spec = model.spec
+    spec = model.local_spec
     kv = torch.empty(2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
                      dtype=dtype, device=device)
     for i, layer in enumerate(model.attention_layers()):

@@ -80,7 +80,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._profile_peak_activation()
         self.num_blocks, self.num_query_slots = plan_cache(
-            self.spec, cache, compression, self.dtype, self.device, sched.max_num_seqs, self.max_blocks_per_seq)
+            self.model.local_spec, cache, compression, self.dtype, self.device, sched.max_num_seqs, self.max_blocks_per_seq)
         self.inputs = InputBuilder(self.device, self.block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    self.max_blocks_per_seq, window, self.num_query_slots)
         if compression is not None:
@@ -91,7 +91,7 @@ class ModelRunner:
         if compression is not None:
             score_cache = None
             if compression.global_score_decay is not None:
-                score_cache = allocate_score_cache(self.spec, self.num_blocks, self.block_size, self.device)
+                score_cache = allocate_score_cache(self.model.local_spec, self.num_blocks, self.block_size, self.device)
             self.compressor = Compressor(compression, self.kv_cache, score_cache, self.query_cache,
                                          self.spec.head_dim ** -0.5, self.block_size)
             if self.device.type == "cuda" and not config.enforce_eager and compression.policy == "zipage":

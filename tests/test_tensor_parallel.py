@@ -1,0 +1,183 @@
+"""Tensor parallelism on the CPU: two processes (gloo) against the unsharded model.
+
+One group of two processes is started for the whole module; it runs every check
+and reports a verdict per check, which the tests below read. Each check compares
+float32 outputs with the single-process result (computed here, before the
+processes start): each sharded layer type alone, then the whole decoder forward
+of tiny checkpoints, one of them with fewer KV heads than ranks (replicated).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from zipage.utils.checkpoint import make_checkpoint
+
+WORLD = 2
+TIMEOUT_S = 120.0  # the whole group; a hung process is killed, not waited for
+TOLERANCE = 1e-5
+
+# name -> checkpoint options; heads 4 and KV heads 2 by default (one KV head per rank)
+MODELS = {
+    "qwen3": dict(arch="qwen3"),
+    "qwen3-replicated-kv": dict(arch="qwen3", num_key_value_heads=1, tie_word_embeddings=True),
+    "qwen2-bias": dict(arch="qwen2"),
+}
+LAYER_CHECKS = ("qkv", "qkv-replicated", "gate_up", "row", "row-bias", "embedding", "lm_head", "lm_head-odd-vocab")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _random(*shape, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# -- the checks (run in every process; the group size decides the sharding) --------
+def _layer_outputs(name: str) -> torch.Tensor:
+    """The output of one layer type on fixed inputs, gathered to the full shape on every rank."""
+    from zipage.distributed import all_gather, tp_size
+    from zipage.layers.embedding import LMHead, VocabEmbedding
+    from zipage.layers.linear import RowParallelLinear, gate_up_linear, qkv_linear
+
+    hidden, head_dim, tokens = 16, 4, 5
+    x = _random(tokens, hidden, seed=1)
+    if name.startswith("qkv"):
+        heads, kv_heads = (4, 1) if name == "qkv-replicated" else (4, 2)
+        layer = qkv_linear(hidden, heads, kv_heads, head_dim, bias=True)
+        parts = {"q": heads, "k": kv_heads, "v": kv_heads}
+        for i, (part, units) in enumerate(parts.items()):
+            layer.weight_loader(layer.weight, _random(units * head_dim, hidden, seed=10 + i), part)
+            layer.weight_loader(layer.bias, _random(units * head_dim, seed=20 + i), part)
+        q, k, v = layer(x).split([layer.shard_slices[p][1] for p in parts], dim=-1)
+        # every rank holds whole KV heads; replicated ones come back once per rank that holds them
+        k_all, v_all = all_gather(k), all_gather(v)
+        if kv_heads < tp_size():
+            k_all, v_all = _dedupe(k_all, kv_heads, head_dim), _dedupe(v_all, kv_heads, head_dim)
+        return torch.cat([all_gather(q), k_all, v_all], dim=-1)
+    if name == "gate_up":
+        inter = 8
+        layer = gate_up_linear(hidden, inter, bias=False)
+        layer.weight_loader(layer.weight, _random(inter, hidden, seed=30), "gate")
+        layer.weight_loader(layer.weight, _random(inter, hidden, seed=31), "up")
+        gate, up = layer(x).chunk(2, dim=-1)
+        return torch.cat([all_gather(gate), all_gather(up)], dim=-1)
+    if name.startswith("row"):
+        in_features = 12
+        layer = RowParallelLinear(in_features, hidden, bias=name == "row-bias")
+        layer.weight_loader(layer.weight, _random(hidden, in_features, seed=40))
+        if layer.bias is not None:
+            layer.weight_loader(layer.bias, _random(hidden, seed=41))
+        full_in = _random(tokens, in_features, seed=42)
+        return layer(full_in.narrow(1, layer.first_column, layer.in_features))
+    if name == "embedding":
+        vocab = 37
+        layer = VocabEmbedding(vocab, hidden)
+        layer.weight_loader(layer.weight, _random(vocab, hidden, seed=50))
+        return layer(torch.tensor([0, 5, 18, 19, 36, 36, 2]))
+    vocab = 37 if name == "lm_head-odd-vocab" else 36
+    layer = LMHead(vocab, hidden, bias=True)
+    layer.weight_loader(layer.weight, _random(vocab, hidden, seed=60))
+    layer.weight_loader(layer.bias, _random(vocab, seed=61))
+    return layer(x)
+
+
+def _dedupe(gathered: torch.Tensor, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Keep one copy of each replicated KV head from an all-gather over the ranks."""
+    world = gathered.shape[-1] // head_dim
+    heads = gathered.view(gathered.shape[0], world, head_dim)
+    return heads[:, ::world // kv_heads].flatten(1)
+
+
+def _model_logits(model_dir: str) -> torch.Tensor:
+    """Logits of every token of two packed prompts, through the cache-free attention path."""
+    from zipage.attention.metadata import AttentionMetadata, attention_metadata
+    from zipage.models.registry import build_model
+    from zipage.utils.loader import load_config, load_weights
+
+    torch.manual_seed(0)
+    model = build_model(load_config(model_dir), 64).eval()
+    load_weights(model, model_dir)
+    lens = [7, 4]
+    ids = torch.randint(0, model.spec.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(3))
+    positions = torch.cat([torch.arange(n) for n in lens])
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0), context_lens=torch.tensor(lens),
+                             block_tables=torch.empty(0), cu_seqlens_q=cu, max_seqlen_q=max(lens))
+    with torch.inference_mode(), attention_metadata(meta):
+        return model.compute_logits(model(ids, positions))
+
+
+def _all_outputs(model_dirs: dict[str, str]) -> dict[str, torch.Tensor]:
+    out = {f"layer:{name}": _layer_outputs(name) for name in LAYER_CHECKS}
+    out.update({f"model:{name}": _model_logits(path) for name, path in model_dirs.items()})
+    return out
+
+
+def _worker(rank: int, port: int, model_dirs: dict, expected: dict, results) -> None:
+    from zipage.distributed import destroy_tensor_parallel, init_tensor_parallel
+
+    torch.set_num_threads(1)
+    init_tensor_parallel(rank, WORLD, backend="gloo", init_method=f"tcp://127.0.0.1:{port}", timeout_s=60)
+    verdicts = {}
+    for key, reference in expected.items():
+        try:
+            kind, name = key.split(":")
+            got = _layer_outputs(name) if kind == "layer" else _model_logits(model_dirs[name])
+            error = ((got - reference).abs().max() / reference.abs().max()).item()
+            verdicts[key] = "ok" if got.shape == reference.shape and error < TOLERANCE else \
+                f"shape {tuple(got.shape)} vs {tuple(reference.shape)}, relative error {error:.3g}"
+        except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+            verdicts[key] = traceback.format_exc()
+    results.put((rank, verdicts))
+    destroy_tensor_parallel()
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    with tempfile.TemporaryDirectory() as root:
+        model_dirs = {name: make_checkpoint(os.path.join(root, name), initializer_range=0.05, seed=i, **options)
+                      for i, (name, options) in enumerate(MODELS.items())}
+        expected = _all_outputs(model_dirs)  # one process: nothing sharded
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(rank, port, model_dirs, expected, results), daemon=True)
+                 for rank in range(WORLD)]
+        for p in procs:
+            p.start()
+        collected, deadline = {}, time.monotonic() + TIMEOUT_S
+        try:
+            while len(collected) < WORLD and time.monotonic() < deadline:
+                try:
+                    rank, v = results.get(timeout=1.0)
+                    collected[rank] = v
+                except Exception:  # queue.Empty: check that no process died
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    if dead:
+                        pytest.fail(f"a tensor-parallel process exited with code {dead[0].exitcode}")
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+        if len(collected) < WORLD:
+            pytest.fail(f"tensor-parallel processes did not finish within {TIMEOUT_S:.0f} s")
+        yield collected
+
+
+@pytest.mark.parametrize("key", [f"layer:{n}" for n in LAYER_CHECKS] + [f"model:{n}" for n in MODELS])
+def test_sharded_matches_unsharded(verdicts, key):
+    for rank in range(WORLD):
+        assert verdicts[rank][key] == "ok", f"rank {rank}: {verdicts[rank][key]}"
