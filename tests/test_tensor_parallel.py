@@ -1,10 +1,15 @@
-"""Tensor parallelism on the CPU: two processes (gloo) against the unsharded model.
+"""Tensor parallelism on the CPU: two processes (gloo) against one.
 
-One group of two processes is started for the whole module; it runs every check
-and reports a verdict per check, which the tests below read. Each check compares
-float32 outputs with the single-process result (computed here, before the
-processes start): each sharded layer type alone, then the whole decoder forward
-of tiny checkpoints, one of them with fewer KV heads than ranks (replicated).
+Layers and model: one group of two processes runs every check and reports a
+verdict per check, which the tests read. Each compares float32 outputs with the
+single-process result (computed before the processes start): each sharded layer
+type alone, then the whole decoder forward of tiny checkpoints, one of them with
+fewer KV heads than ranks (replicated).
+
+Engine: ``LLM(..., tensor_parallel_size=2)`` in a subprocess (rank 0, which starts
+its follower) gives the greedy tokens of size 1, with full KV and with
+compression (asynchronous and synchronous). Every wait is bounded, so a hung
+process fails the test instead of hanging it.
 """
 
 from __future__ import annotations
@@ -181,3 +186,77 @@ def verdicts():
 def test_sharded_matches_unsharded(verdicts, key):
     for rank in range(WORLD):
         assert verdicts[rank][key] == "ok", f"rank {rank}: {verdicts[rank][key]}"
+
+
+# -- the engine: tensor_parallel_size=2 (gloo) gives the tokens of size 1 --------------
+ENGINE_TIMEOUT_S = 180
+BLOCK = 16
+# variant -> compression settings (None: full KV)
+ENGINE_VARIANTS = {
+    "full-kv": None,
+    "compressed-async": dict(max_blocks_per_seq=3, asynchronous=True),
+    "compressed-sync": dict(max_blocks_per_seq=3, asynchronous=False),
+}
+
+
+def _engine_tokens(model_dir: str, tensor_parallel_size: int, variant: str) -> list[list[int]]:
+    """Greedy tokens of a few prompts (shared prefix, lengths across blocks) on the CPU."""
+    from zipage import LLM, CompressionConfig, SamplingParams
+
+    settings = ENGINE_VARIANTS[variant]
+    compression = CompressionConfig(**settings) if settings else None
+    prompts = [list(range(5, 45)), list(range(5, 45)) + [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
+    with LLM(model_dir, device="cpu", dtype="float32", block_size=BLOCK, max_model_len=256,
+             kv_cache_memory_bytes=1 << 22, tensor_parallel_size=tensor_parallel_size,
+             compression=compression) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True),
+                               use_tqdm=False)
+        assert (llm.stats.num_compressions > 0) == (compression is not None)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+_TP_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_tensor_parallel import ENGINE_VARIANTS, _engine_tokens
+print("TOKENS " + json.dumps({{v: _engine_tokens({model_dir!r}, 2, v) for v in ENGINE_VARIANTS}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def tp2_tokens(checkpoint_dir):
+    """Every variant's tokens with tensor_parallel_size=2, from one process (rank 0) and its follower."""
+    import json
+    import subprocess
+    import sys
+
+    model_dir = checkpoint_dir("qwen3")
+    script = _TP_SCRIPT.format(tests=os.path.dirname(__file__), model_dir=model_dir)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                              timeout=ENGINE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the tensor-parallel engine did not finish within {ENGINE_TIMEOUT_S} s")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert done.returncode == 0 and lines, f"tensor-parallel run failed:\n{done.stderr[-4000:]}"
+    return model_dir, json.loads(lines[-1][len("TOKENS "):])
+
+
+@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
+def test_engine_tensor_parallel_greedy_equal(tp2_tokens, variant):
+    model_dir, tokens = tp2_tokens
+    assert tokens[variant] == _engine_tokens(model_dir, 1, variant)
+
+
+def test_engine_rejects_unshardable(checkpoint_dir):
+    from zipage import LLM, CompressionConfig
+
+    model_dir = checkpoint_dir("qwen3")  # 4 query heads, 2 KV heads
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        LLM(model_dir, device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="compression needs tensor_parallel_size=4 <= num_key_value_heads=2"):
+        LLM(model_dir, device="cpu", tensor_parallel_size=4, block_size=16,
+            compression=CompressionConfig(max_blocks_per_seq=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(model_dir, device="cpu", tensor_parallel_size=0)

@@ -189,6 +189,7 @@ class EngineConfig:
     enforce_eager: bool = False
     load_format: str = "auto"  # "auto": safetensors weights; "dummy": random weights (benchmarks)
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
+    tensor_parallel_size: int = 1  # processes (GPUs) sharing the model's heads and weights
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compression: CompressionConfig | None = None  # None: full KV
@@ -205,6 +206,13 @@ class EngineConfig:
                f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(self.attention_backend in ("auto", "torch", "triton"),
                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        tp = self.tensor_parallel_size
+        _check(_is_int(tp) and tp >= 1, f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1 and self.is_cuda:
+            first = int(self.device.split(":")[1]) if ":" in self.device else 0
+            _check(first + tp <= torch.cuda.device_count(),
+                   f"tensor_parallel_size={tp} from {self.device} needs GPUs {first}..{first + tp - 1}, "
+                   f"but {torch.cuda.device_count()} are visible")
         if isinstance(self.compression, dict):
             self.compression = CompressionConfig(**self.compression)
         _check(self.compression is None or isinstance(self.compression, CompressionConfig),

@@ -34,6 +34,16 @@ class LLM:
             enforce_eager=enforce_eager, seed=seed, compression=compression, **kwargs)
         self.engine = LLMEngine(self.config)
 
+    def close(self) -> None:
+        """Release the engine's worker processes (tensor parallelism); nothing else needs it."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -50,14 +50,14 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from zipage.runner.model_runner import ModelRunner
+        from zipage.runner.tensor_parallel import make_runner
 
         self.config = config
         self.hf_config = load_config(config.model)
         model_max_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         config.scheduler.resolve(model_max_len)
         self.tokenizer = load_tokenizer(config.model)
-        self.runner = ModelRunner(config, self.hf_config)
+        self.runner = make_runner(config, self.hf_config)
         self.vocab_size = self.runner.vocab_size
         capacity = self.runner.num_blocks * config.cache.block_size
         # Without compression a request must fit the cache at full length; with it, only its
@@ -159,6 +159,12 @@ class LLMEngine:
             self._collect_compression(wait=True)
         self.scheduler.finish(seq, "abort")
         return self._output(seq)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel follower processes, if any (the engine is unusable after)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -25,6 +25,19 @@ class ModelInputs:
     num_seqs: int
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """The sizes and flags of one step whose numbers sit in the host buffers."""
+
+    is_prefill: bool
+    num_seqs: int
+    num_tokens: int
+    width: int  # block-table columns in use
+    max_seqlen_q: int
+    max_seqlen_k: int
+    has_cached_prefix: bool
+
+
 class HostBuffer:
     """A reusable host array (pinned when the device is CUDA) and its device copy."""
 
@@ -63,6 +76,13 @@ class InputBuilder:
         return table, width
 
     def prefill(self, seqs: list[Sequence]) -> ModelInputs:
+        return self.to_device(self.fill_prefill(seqs))
+
+    def decode(self, seqs: list[Sequence]) -> ModelInputs:
+        return self.to_device(self.fill_decode(seqs))
+
+    def fill_prefill(self, seqs: list[Sequence]) -> StepShape:
+        """Write a prefill's numbers into the host buffers."""
         bs = self.block_size
         table, width = self._block_tables(seqs)
         cu = self.cu_seqlens.np
@@ -86,18 +106,10 @@ class InputBuilder:
             cu[i + 1] = n
             max_q = max(max_q, q_len)
             cached |= start > 0
-        b = len(seqs)
-        cu_q = self.cu_seqlens.to_device(b + 1)
-        meta = AttentionMetadata(
-            is_prefill=True, slot_mapping=self.slot_mapping.to_device(n),
-            context_lens=self.context_lens.to_device(b), block_tables=self.block_tables.to_device(b, width),
-            cu_seqlens_q=cu_q, max_seqlen_q=max_q,
-            max_seqlen_k=max(s.num_tokens for s in seqs), has_cached_prefix=cached,
-            query_slots=self.query_slots.to_device(n) if self.window else None)
-        return ModelInputs(self.input_ids.to_device(n), self.positions.to_device(n), meta,
-                           logits_indices=(cu_q[1:] - 1).long(), num_seqs=b)
+        return StepShape(True, len(seqs), n, width, max_q, max(s.num_tokens for s in seqs), cached)
 
-    def decode(self, seqs: list[Sequence]) -> ModelInputs:
+    def fill_decode(self, seqs: list[Sequence]) -> StepShape:
+        """Write a decode step's numbers into the host buffers."""
         bs = self.block_size
         table, width = self._block_tables(seqs)
         b = len(seqs)
@@ -106,18 +118,48 @@ class InputBuilder:
         self.positions.np[:b] = [s.num_tokens - 1 for s in seqs]
         self.slot_mapping.np[:b] = table[np.arange(b), kv_lens // bs].astype(np.int64) * bs + kv_lens % bs
         self.context_lens.np[:b] = kv_lens + 1
-        query_slots = None
         if self.window:
             w = self.window
             self.query_slots.np[:b] = [self.no_query_row if s.query_slot is None
                                        else s.query_slot * w + (s.num_tokens - 1) % w for s in seqs]
-            query_slots = self.query_slots.to_device(b)
+        return StepShape(False, b, b, width, 1, int(kv_lens.max()) + 1, False)
+
+    def _buffers(self, shape: StepShape) -> dict[str, tuple[HostBuffer, tuple[int, ...]]]:
+        """The buffers a step uses and the leading sizes it fills."""
+        b, n = shape.num_seqs, shape.num_tokens
+        used = {"input_ids": (self.input_ids, (n,)), "positions": (self.positions, (n,)),
+                "slot_mapping": (self.slot_mapping, (n,)), "context_lens": (self.context_lens, (b,)),
+                "block_tables": (self.block_tables, (b, shape.width))}
+        if shape.is_prefill:
+            used["cu_seqlens"] = (self.cu_seqlens, (b + 1,))
+        if self.window:
+            used["query_slots"] = (self.query_slots, (n,))
+        return used
+
+    def export(self, shape: StepShape) -> dict[str, np.ndarray]:
+        """Copies of the filled host arrays, for the other tensor-parallel ranks."""
+        return {name: buf.np[tuple(slice(0, s) for s in sizes)].copy()
+                for name, (buf, sizes) in self._buffers(shape).items()}
+
+    def load(self, shape: StepShape, arrays: dict[str, np.ndarray]) -> None:
+        """Write arrays exported by another rank into this rank's host buffers."""
+        for name, (buf, sizes) in self._buffers(shape).items():
+            buf.np[tuple(slice(0, s) for s in sizes)] = arrays[name]
+
+    def to_device(self, shape: StepShape) -> ModelInputs:
+        b, n = shape.num_seqs, shape.num_tokens
+        query_slots = self.query_slots.to_device(n) if self.window else None
         meta = AttentionMetadata(
-            is_prefill=False, slot_mapping=self.slot_mapping.to_device(b),
-            context_lens=self.context_lens.to_device(b), block_tables=self.block_tables.to_device(b, width),
-            max_seqlen_k=int(kv_lens.max()) + 1, query_slots=query_slots)
-        return ModelInputs(self.input_ids.to_device(b), self.positions.to_device(b), meta,
-                           logits_indices=None, num_seqs=b)
+            is_prefill=shape.is_prefill, slot_mapping=self.slot_mapping.to_device(n),
+            context_lens=self.context_lens.to_device(b), block_tables=self.block_tables.to_device(b, shape.width),
+            max_seqlen_q=shape.max_seqlen_q, max_seqlen_k=shape.max_seqlen_k,
+            has_cached_prefix=shape.has_cached_prefix, query_slots=query_slots)
+        logits_indices = None
+        if shape.is_prefill:
+            meta.cu_seqlens_q = self.cu_seqlens.to_device(b + 1)
+            logits_indices = (meta.cu_seqlens_q[1:] - 1).long()
+        return ModelInputs(self.input_ids.to_device(n), self.positions.to_device(n), meta,
+                           logits_indices=logits_indices, num_seqs=b)
 
 
 def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[int],

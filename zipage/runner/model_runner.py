@@ -15,12 +15,13 @@ import torch
 from zipage.attention.backend import select_backend
 from zipage.attention.metadata import AttentionMetadata, attention_metadata
 from zipage.config import DTYPES, EngineConfig
+from zipage.distributed import all_reduce_min
 from zipage.engine.sequence import Sequence
 from zipage.layers.fusion import enable_fusion
 from zipage.layers.sampler import Sampler
 from zipage.models.registry import build_model
 from zipage.runner.cuda_graph import DecodeGraphs
-from zipage.runner.inputs import InputBuilder, sampling_tensors
+from zipage.runner.inputs import InputBuilder, ModelInputs, StepShape, sampling_tensors
 from zipage.compression.executor import Compressor
 from zipage.compression.graphs import CompressionGraphs
 from zipage.runner.trace import GpuTrace
@@ -42,11 +43,16 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config):
+    """One rank's model, caches and step. With tensor parallelism every rank has one
+    (``tensor_parallel.py`` drives them); rank ``r`` runs on GPU ``base + r``."""
+
+    def __init__(self, config: EngineConfig, hf_config, rank: int = 0):
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
-            if self.device.index is None:  # memory queries need an explicit index
+            if config.tensor_parallel_size > 1:
+                self.device = torch.device("cuda", (self.device.index or 0) + rank)
+            elif self.device.index is None:  # memory queries need an explicit index
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
@@ -81,6 +87,8 @@ class ModelRunner:
             self._profile_peak_activation()
         self.num_blocks, self.num_query_slots = plan_cache(
             self.model.local_spec, cache, compression, self.dtype, self.device, sched.max_num_seqs, self.max_blocks_per_seq)
+        # Every rank must hold the same blocks and slots: the scheduler's plan names them.
+        self.num_blocks, self.num_query_slots = all_reduce_min([self.num_blocks, self.num_query_slots], self.device)
         self.inputs = InputBuilder(self.device, self.block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    self.max_blocks_per_seq, window, self.num_query_slots)
         if compression is not None:
@@ -173,22 +181,38 @@ class ModelRunner:
         return handle.query()
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int]) -> list[int]:
-        """Run one step for ``seqs`` and return one sampled token id per sequence."""
+    def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int],
+                shape: StepShape | None = None) -> list[int]:
+        """Run one step for ``seqs`` and return one sampled token id per sequence.
+
+        ``shape``: the step's numbers are already in the host buffers (filled by the caller).
+        """
         start = time.perf_counter()
-        inputs = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
+        if shape is None:
+            shape = self.inputs.fill_prefill(seqs) if is_prefill else self.inputs.fill_decode(seqs)
+        inputs = self.inputs.to_device(shape)
         st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device)
         self.last_prepare_s = time.perf_counter() - start
         begin = self.trace.mark() if self.trace else None
-        if not is_prefill and self.graphs is not None and self.graphs.can_run(len(seqs)):
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
-        else:
-            with attention_metadata(inputs.metadata):
-                hidden = self.model(inputs.input_ids, inputs.positions)
-            if inputs.logits_indices is not None:
-                hidden = hidden[inputs.logits_indices]
-            logits = self.model.compute_logits(hidden)
-        token_ids = self.sampler(logits, st)
+        token_ids = self.sampler(self.logits(inputs), st)
         if self.trace:
             self.trace.steps.append((begin, self.trace.mark()))
         return token_ids.tolist()
+
+    @torch.inference_mode()
+    def follow(self, shape: StepShape, arrays: dict) -> None:
+        """A follower rank's step: the forward of rank 0's inputs (the collectives need every
+        rank), without sampling."""
+        self.inputs.load(shape, arrays)
+        self.logits(self.inputs.to_device(shape))
+        if self.device.type == "cuda":  # the host buffers are refilled by the next step
+            torch.cuda.synchronize(self.device)
+
+    def logits(self, inputs: ModelInputs) -> torch.Tensor:
+        if not inputs.metadata.is_prefill and self.graphs is not None and self.graphs.can_run(inputs.num_seqs):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+        with attention_metadata(inputs.metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        if inputs.logits_indices is not None:
+            hidden = hidden[inputs.logits_indices]
+        return self.model.compute_logits(hidden)
