@@ -21,6 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model's heads and weights over this many GPUs (processes)")
     c = parser.add_argument_group("compression (off unless --kv-budget-tokens is given)")
     c.add_argument("--kv-budget-tokens", type=int, default=None,
                    help="compress: keep this many tokens per layer and KV head (multiple of --block-size)")
@@ -39,13 +41,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                seed=args.seed, load_format=args.load_format)
+                seed=args.seed, load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from zipage import LLM, SamplingParams
+    from zipage import LLM
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    with LLM(args.model, **engine_kwargs(args)) as llm:
+        _print_outputs(llm, args)
+    return 0
+
+
+def _print_outputs(llm, args: argparse.Namespace) -> None:
+    from zipage import SamplingParams
+
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.sample_seed,
                             stop=args.stop or None, ignore_eos=args.ignore_eos)
@@ -60,7 +69,6 @@ def _generate(args: argparse.Namespace) -> int:
                               "finish_reason": c.finish_reason}))
         else:
             print(f"--- prompt: {out.prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
