@@ -191,6 +191,8 @@ def test_sharded_matches_unsharded(verdicts, key):
 # -- the engine: tensor_parallel_size=2 (gloo) gives the tokens of size 1 --------------
 ENGINE_TIMEOUT_S = 180
 BLOCK = 16
+# ZIPAGE_TEST_DEVICE=cuda runs the engine checks on GPUs 0 and 1 (NCCL, CUDA graphs)
+ENGINE_DEVICE = os.environ.get("ZIPAGE_TEST_DEVICE", "cpu")
 # variant -> compression settings (None: full KV)
 ENGINE_VARIANTS = {
     "full-kv": None,
@@ -200,13 +202,13 @@ ENGINE_VARIANTS = {
 
 
 def _engine_tokens(model_dir: str, tensor_parallel_size: int, variant: str) -> list[list[int]]:
-    """Greedy tokens of a few prompts (shared prefix, lengths across blocks) on the CPU."""
+    """Greedy tokens of a few prompts (shared prefix, lengths across blocks), in float32."""
     from zipage import LLM, CompressionConfig, SamplingParams
 
     settings = ENGINE_VARIANTS[variant]
     compression = CompressionConfig(**settings) if settings else None
     prompts = [list(range(5, 45)), list(range(5, 45)) + [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
-    with LLM(model_dir, device="cpu", dtype="float32", block_size=BLOCK, max_model_len=256,
+    with LLM(model_dir, device=ENGINE_DEVICE, dtype="float32", block_size=BLOCK, max_model_len=256,
              kv_cache_memory_bytes=1 << 22, tensor_parallel_size=tensor_parallel_size,
              compression=compression) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True),
