@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 import traceback
 from dataclasses import replace
 from types import SimpleNamespace
@@ -66,6 +67,7 @@ def _portable(tasks):
 def _follower_main(rank: int, config: EngineConfig, hf_config, port: int, conn) -> None:
     from zipage.runner.model_runner import ModelRunner
 
+    conn.send(("started",))
     try:
         init_tensor_parallel(rank, config.tensor_parallel_size, _backend(config), f"tcp://127.0.0.1:{port}")
         runner = ModelRunner(config, hf_config, rank)
@@ -118,11 +120,30 @@ class ParallelRunner:
             self._conns.append(parent)
             self._procs.append(proc)
         try:
+            self._wait_started()
             init_tensor_parallel(0, size, _backend(config), f"tcp://127.0.0.1:{port}")
             self.local = ModelRunner(config, hf_config, 0)
         except BaseException:
             self.close()
             raise
+
+    def _wait_started(self, timeout_s: float = 300.0) -> None:
+        """Fail at once, not at the group's timeout, when a follower dies while starting."""
+        deadline = time.monotonic() + timeout_s
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
+            while True:
+                try:
+                    if conn.poll(0.1) and conn.recv() == ("started",):
+                        break
+                except EOFError:  # its end of the pipe closed: the process is gone
+                    proc.join(timeout=5)
+                if proc.exitcode is not None:
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited with code {proc.exitcode} while starting; a script "
+                        "that builds an engine with tensor_parallel_size > 1 must guard its entry point with "
+                        "`if __name__ == '__main__':` (followers are spawned and import it)")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel rank {rank} did not start within {timeout_s:.0f} s")
 
     def __getattr__(self, name):
         return getattr(self.__dict__["local"], name)
