@@ -151,3 +151,20 @@ def test_load_problems_and_pass_at_1(tmp_path):
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         math_eval.load_problems(str(bad))
     assert math_eval.pass_at_1([[True, False], [True, True]]) == pytest.approx(0.75)
+
+
+def test_math_command_end_to_end(checkpoint_dir, tmp_path, one_thread):
+    """Full KV and Zipage on a random chat checkpoint: the command runs and writes its record."""
+    from zipage.cli import main
+    data = tmp_path / "problems.jsonl"
+    data.write_text('{"question": "What is 1+1?", "answer": "2"}\n{"problem": "What is 2+2?", "answer": 4}\n')
+    out = tmp_path / "out"
+    assert main(["eval", "math", "--model", checkpoint_dir("qwen3"), "--data", str(data), "--n", "2",
+                 "--max-tokens", "40", "--device", "cpu", "--block-size", "16", "--kv-budget-tokens", "32",
+                 "--out", str(out)]) == 0
+    with open(out / "math.json") as f:
+        record = json.load(f)
+    assert [r["mode"] for r in record["runs"]] == ["full", "zipage"]
+    for run in record["runs"]:
+        assert 0.0 <= run["pass_at_1"] <= 1.0 and len(run["correct"]) == 2 and len(run["correct"][0]) == 2
+    assert record["settings"]["system_prompt"] == math_eval.SYSTEM_PROMPT

@@ -9,35 +9,36 @@ import pytest
 from zipage.quality import tasks
 from zipage.quality.tokenizer import VOCAB, CharCodec, save_tokenizer
 
-STEP = re.compile(r"^(\d+) (\d):([a-z])([+-]) (\w+)=(\d) (\d)([+-])(\d)\+(\d)\+(\d)=(\d)$")
+STEP = re.compile(r"^(\d+) ([A-J])([a-z]) (\w+)=(\d) (\d)\+(\d)=(\d) (\d)\+(\d)=(\d)$")
 
 
 def _statement(text: str):
     lines = text.split("\n")
-    values = dict(re.findall(r"([a-z])=(\d)", lines[0]))
-    rules = {int(d): (s, op) for d, s, op in re.findall(r"(\d):([a-z])([+-])", lines[1])}
-    before, start = map(int, lines[2].split()[1:])
+    values = {k: int(v) for k, v in re.findall(r"([a-z])=(\d)", lines[0])}
+    rules = {"ABCDEFGHIJ".index(key): source for key, source in re.findall(r"([A-J])([a-z])", lines[1])}
+    start = [int(v) for v in lines[2].split()[1:]]
     steps = int(lines[3].split()[1])
-    return {k: int(v) for k, v in values.items()}, rules, before, start, steps
+    return values, rules, start, steps
 
 
 def solve_step(working_set: str, step: int) -> str:
     """The line of ``step`` computed from a working set only: the statement, the latest
-    check line and the last two step lines (an independent reading of the rules)."""
-    values, rules, before, start, _ = _statement(working_set)
+    check line and the last three step lines (an independent reading of the rules)."""
+    values, rules, start, _ = _statement(working_set)
     recent = [m for m in (STEP.match(line) for line in working_set.split("\n")) if m]
-    results = [before, start] + [int(m.group(12)) for m in recent]
-    previous, current = results[-2], results[-1]
+    results = start + [int(m.group(11)) for m in recent]
+    current, back = results[-1], results[-3]
     check = [line for line in working_set.split("\n") if line.startswith("check ")][-1]
     milestones = [(int(k), int(v)) for k, v in re.findall(r"m(\d+)=(\d)", check)]
-    source, op = rules[current]
+    source = rules[current]
     if source in values:
         label, x = source, values[source]
     else:
         k, x = milestones[-1] if source == "m" else milestones[-2]
         label = f"m{k}"
-    result = (current + (x if op == "+" else -x) + previous + step % 10) % 10
-    return f"{step} {current}:{source}{op} {label}={x} {current}{op}{x}+{previous}+{step % 10}={result}"
+    partial = (current + x) % 10
+    result = (partial + back) % 10
+    return f"{step} {'ABCDEFGHIJ'[current]}{source} {label}={x} {current}+{x}={partial} {partial}+{back}={result}"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, tasks.HELD_OUT_SEED + 7])
@@ -53,8 +54,8 @@ def test_every_step_follows_from_a_small_working_set(seed):
             assert step == steps_seen + 1
             before = lines[:i]
             check = [x for x in before if x.startswith("check ")][-1]
-            last_two = [x for x in before if STEP.match(x)][-2:]
-            working_set = "\n".join([problem.statement, check] + last_two)
+            last_three = [x for x in before if STEP.match(x)][-3:]
+            working_set = "\n".join([problem.statement, check] + last_three)
             assert len(working_set) < 200  # constant, whatever the solution's length
             assert solve_step(working_set, step) == line
             steps_seen = step
@@ -62,7 +63,7 @@ def test_every_step_follows_from_a_small_working_set(seed):
             milestones += 1
             assert line == f"m{milestones}={lines[i - 1][-1]}"
             assert steps_seen % tasks.SPECS["standard"].milestone_every == 0
-    _, _, _, _, steps = _statement(problem.statement)
+    _, _, _, steps = _statement(problem.statement)
     assert steps_seen == steps == problem.num_steps
     results = [line[-1] for line in lines if STEP.match(line)]
     latest = [line[-1] for line in lines if re.match(r"^m\d+=\d$", line)] or [lines[0][-1]]
@@ -86,24 +87,29 @@ def test_lengths_cover_one_to_three_thousand_tokens_and_milestones_are_read():
         p = tasks.make_problem(seed)
         ids, prompt_len = codec.encode_chat(tasks.messages(p), p.solution)
         lengths.append(len(ids))
-        reads_milestone += bool(re.search(r":[mn][+-]", p.solution))
+        reads_milestone += bool(re.search(r"[A-J][mn] ", p.solution))
     assert 900 <= min(lengths) and max(lengths) <= 3100
     assert 1700 <= sum(lengths) / len(lengths) <= 2100
     assert reads_milestone == 200
 
 
-def test_shortcuts_are_rare():
-    """Expressions rarely repeat inside a solution, and no solution falls into a cycle."""
-    repeats, total, distinct = 0, 0, []
-    for seed in range(100):
+def test_no_solution_repeats_itself():
+    """Runs of five step lines (step numbers aside) almost never come back within a solution,
+    no result repeats for long, and a step line does not determine the next one."""
+    followers: dict = {}
+    repeated, total = 0, 0
+    for seed in range(200):
         lines = [line.split(" ", 1)[1] for line in tasks.make_problem(seed).solution.split("\n") if STEP.match(line)]
         windows = [tuple(lines[i:i + 5]) for i in range(len(lines) - 4)]
-        repeats += len(windows) - len(set(windows))
+        repeated += len(windows) - len(set(windows))
         total += len(windows)
-        expressions = [line.rsplit(" ", 1)[1] for line in lines]
-        distinct.append(len(set(expressions)) / len(expressions))
-    assert repeats / total < 0.01
-    assert sum(distinct) / len(distinct) > 0.95 and min(distinct) > 0.6
+        results = "".join(line[-1] for line in lines)
+        assert not re.search(r"(\d)\1\1\1", results), results
+        for a, b in zip(lines, lines[1:]):
+            followers.setdefault((seed, a), set()).add(b)
+    assert repeated / total < 0.005
+    ambiguous = sum(len(f) > 1 for f in followers.values())
+    assert ambiguous > 0.1 * len(followers)
 
 
 def test_extract_answer_and_specs():

@@ -69,6 +69,9 @@ def test_tiny_training_run_saves_a_checkpoint_both_loaders_read(tmp_path, one_th
         assert os.path.isfile(os.path.join(out, name)), name
     with open(os.path.join(out, "training.json")) as f:
         assert json.load(f)["loss_curve"] == record["loss_curve"]
+    again = train.build_model(train.TrainConfig(out="", init_from=out))  # --init-from continues from it
+    saved = dict(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).named_parameters())
+    assert all(torch.equal(p, saved[name]) for name, p in again.named_parameters())
 
     problem = tasks.held_out_problems(1, "tiny")[0]
     tokenizer = AutoTokenizer.from_pretrained(out)

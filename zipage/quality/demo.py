@@ -29,7 +29,7 @@ def compare(model_dir: str, num_problems: int = 24, budget_tokens: int = 512, bl
     config = CompressionConfig(kv_budget_tokens=budget_tokens, policy=policy)
     runs[f"{policy}, budget {budget_tokens}"] = qeval.run_engine(model_dir, encoded, compression=config,
                                                                   device=device, block_size=block_size)
-    log(f"\n| mode | accuracy | correct prefix | peak KV per request | output tokens/s |")
+    log("\n| mode | accuracy | correct prefix | peak KV per request | output tokens/s |")
     log("| --- | --- | --- | --- | --- |")
     for name, r in runs.items():
         log(f"| {name} | {r['accuracy']:.3f} | {r['prefix_fraction']:.3f} | "

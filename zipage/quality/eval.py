@@ -153,8 +153,8 @@ def by_length(encoded: list[Encoded], values: list[float], parts: int = 3) -> li
 
 
 def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGETS, policies=DEFAULT_POLICIES,
-                  task: str | tasks.TaskSpec = "standard", start: int = 0, device: str | None = None, block_size: int = 32,
-                  window: int = 16, dtype: str = "auto", max_num_seqs: int | None = None,
+                  task: str | tasks.TaskSpec = "standard", start: int = 0, device: str | None = None,
+                  block_size: int = 32, window: int = 16, dtype: str = "auto", max_num_seqs: int | None = None,
                   kv_cache_memory_bytes: int | None = None, log=print) -> dict:
     """Full KV, then every (policy, budget); returns the record written to ``synthetic.json``."""
     from zipage import CompressionConfig
@@ -209,7 +209,8 @@ def summarise(runs: list[dict]) -> dict:
         keeps.insert(0, r)
     beats = {}
     for r in zipage:
-        rivals = [o for o in runs if o["budget_tokens"] == r["budget_tokens"] and o["policy"] not in ("zipage", "full")]
+        rivals = [o for o in runs
+                  if o["budget_tokens"] == r["budget_tokens"] and o["policy"] not in ("zipage", "full")]
         beats[str(r["budget_tokens"])] = {
             metric: all(r[metric] > o[metric] for o in rivals) for metric in ("accuracy", "prefix_fraction")}
     return dict(full_accuracy=full["accuracy"], full_prefix_fraction=full["prefix_fraction"],

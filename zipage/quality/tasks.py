@@ -2,46 +2,52 @@
 
 A problem statement defines five values and a rule for each digit; the worked
 solution walks a chain of single-digit results, one numbered step per line. Step
-i starts from the previous result u, looks up the rule for u, fetches the value
-the rule names and computes
+i starts from the previous result u, names the rule for u (rules are lettered,
+A for 0 to J for 9), fetches the value the rule points to and computes
 
-    v_i = (u op x + r) mod 10
+    s = (u + x) mod 10,    v_i = (s + r) mod 10
 
-where ``op`` is + or -, ``x`` is a value of the statement (a..e) or a milestone
-(``m``: the latest, ``n``: the one before it) and ``r`` is the result two steps
-back. Every ``milestone_every`` steps the current result becomes a milestone and a
-check line restates the two live milestones. After the last step (the statement
-says how many) the answer gives the last two results and the latest milestone.
+where ``x`` is a value of the statement (a..e) or a milestone (``m``: the latest,
+``n``: the one before it) and ``r`` is the result three steps back. Every
+``milestone_every`` steps the current result becomes a milestone and a check line
+restates the two live milestones. After the last step (the statement says how
+many) the answer gives the last two results and the latest milestone.
 
-    user:      a=3 b=8 c=5 d=1 e=6
-               rules 0:a+ 1:m+ 2:b- 3:n+ 4:c- 5:e+ 6:d+ 7:m- 8:e- 9:a-
-               start 4 7
-               steps 96
-    assistant: check m1=4 m2=7
-               1 7:m- m2=7 7-7+4=4
-               2 4:c- c=5 4-5+7=6
+    user:      a=9 b=4 c=5 d=8 e=0
+               rules Ab Bb Cn Dd Ee Fm Gb Hd Im Jn
+               start 0 0 3
+               steps 63
+    assistant: check m1=0 m2=3
+               1 Dd d=8 3+8=1 1+0=1
+               2 Bb b=4 1+4=5 5+0=5
+               3 Fm m2=3 5+3=8 8+3=1
                ...
-               10 2:b- b=8 2-8+9=3
-               m3=3
-               check m2=7 m3=3
-               11 3:n+ m2=7 3+7+2=2
+               10 Ab b=4 0+4=4 4+5=9
+               m3=9
+               check m2=3 m3=9
+               11 Jn m2=3 9+3=2 2+3=5
+               12 Fm m3=9 5+9=4 4+0=4
+               13 Ee e=0 4+0=4 4+9=3
                ...
-               96 5:e+ e=6 5+6+1=2
-               answer 523
+               63 Im m8=4 8+4=2 2+4=6
+               answer 864
 
 Why this shape. It is built like a reasoning trace whose working set stays small
 while the trace grows: the statement (rules, values, the step count that ends the
-solution) matters until the end, every step needs the two steps before it, some
+solution) matters until the end, every step needs the steps just before it, some
 need a milestone, and older steps are never needed again. Milestone and check lines
 repeat earlier results, so the cache holds redundant copies of every live fact. A
-policy that keeps the statement, the last lines and the latest check line (about
-150 tokens) can reproduce the solution at any length; one that keeps only recent
-tokens loses the rules, one that keeps only what the last tokens attend to loses
-the rules not used lately.
+policy that keeps the statement, the last three step lines and the latest check
+line (under 200 tokens) can reproduce the solution at any length; one that keeps
+only recent tokens loses the rules, one that keeps only what the last tokens
+attend to loses the rules not used lately.
 
-Shortcuts are designed out: three operands make an exact expression rarely repeat
-within a solution (2,000 combinations, about 100 steps), so the model must add
-rather than copy an earlier line, and there is no second pass to copy.
+Made to be learnable by a small model from scratch: every lookup is keyed by a
+rare token (a rule letter, a value name) and reads the token right after it, and
+arithmetic comes one two-operand sum at a time. Shortcuts are designed out: there is no second
+pass to copy, a step line never determines the next one (that needs the result
+two steps back), and a draw whose chain would come back to an earlier state (and so
+repeat itself) or whose last three results recur within 20 steps is drawn again.
 
 Problem ``seed`` gives the same problem everywhere (``random.Random``). Held-out
 problems use seeds from ``HELD_OUT_SEED`` up; training draws its seeds below it.
@@ -49,12 +55,13 @@ problems use seeds from ``HELD_OUT_SEED`` up; training draws its seeds below it.
 
 from __future__ import annotations
 
-import math
 import random
 import re
 from dataclasses import dataclass
 
 VALUE_NAMES = "abcdefgh"
+RULE_KEYS = "ABCDEFGHIJ"  # the rule for digit d is lettered RULE_KEYS[d]
+PERIOD_FREE = 20  # no three consecutive results come back within this many steps
 HELD_OUT_SEED = 1 << 40  # held-out problems: seeds >= this; training: seeds below
 ANSWER_PATTERN = re.compile(r"answer (\d+)")
 
@@ -105,21 +112,14 @@ def get_spec(spec: TaskSpec | str) -> TaskSpec:
     return SPECS[spec]
 
 
-def _draw_rules(rng: random.Random, names: str, milestone_share: float) -> list[tuple[str, str]]:
-    """(source, op) for each digit: a value name, "m" or "n"; both milestones appear at least once
-    when milestones are drawn at all, so every solution reads an earlier milestone."""
-    rules = []
-    for _ in range(10):
-        if rng.random() < milestone_share:
-            source = rng.choice("mn")
-        else:
-            source = rng.choice(names)
-        rules.append((source, rng.choice("+-")))
+def _draw_rules(rng: random.Random, names: str, milestone_share: float) -> list[str]:
+    """The source of each digit's rule: a value name, "m" or "n"; both milestones appear at
+    least once when milestones are drawn at all, so every solution reads an earlier milestone."""
+    rules = [rng.choice("mn") if rng.random() < milestone_share else rng.choice(names) for _ in range(10)]
     if milestone_share > 0:
-        slots = rng.sample(range(10), 2)
-        for slot, source in zip(slots, "mn"):
-            if not any(s == source for s, _ in rules):
-                rules[slot] = (source, rules[slot][1])
+        for slot, source in zip(rng.sample(range(10), 2), "mn"):
+            if source not in rules:
+                rules[slot] = source
     return rules
 
 
@@ -141,42 +141,43 @@ def _draw(rng: random.Random, spec: TaskSpec, seed: int) -> Problem | None:
     names = VALUE_NAMES[:spec.num_values]
     values = {name: rng.randrange(10) for name in names}
     rules = _draw_rules(rng, names, spec.milestone_rules)
-    before, start = rng.randrange(10), rng.randrange(10)
+    results = [rng.randrange(10) for _ in range(3)]  # v_-2, v_-1, v_0
     num_steps = rng.randint(spec.min_steps, spec.max_steps)
 
     statement = "\n".join([
         " ".join(f"{name}={values[name]}" for name in names),
-        "rules " + " ".join(f"{digit}:{source}{op}" for digit, (source, op) in enumerate(rules)),
-        f"start {before} {start}",
+        "rules " + " ".join(f"{RULE_KEYS[digit]}{source}" for digit, source in enumerate(rules)),
+        "start " + " ".join(str(v) for v in results),
         f"steps {num_steps}",
     ])
-    cycle = math.lcm(10, spec.milestone_every)
-    seen = set()
-    milestones = [before, start]  # m1, m2: the start values
-    lines = [f"check m1={before} m2={start}"]
-    previous, current = before, start
+    milestones = results[1:]  # m1, m2: the last two start values
+    lines = [f"check m1={milestones[0]} m2={milestones[1]}"]
+    seen, recent = set(), {}
     for step in range(1, num_steps + 1):
-        state = (step % cycle, previous, current, milestones[-1], milestones[-2])
-        if state in seen:
-            return None
+        state = (step % spec.milestone_every, *results[-3:], milestones[-1], milestones[-2])
+        triple = tuple(results[-3:])
+        if state in seen or step - recent.get(triple, -PERIOD_FREE) < PERIOD_FREE:
+            return None  # the chain would repeat itself, or go round a short loop
         seen.add(state)
-        source, op = rules[current]
+        recent[triple] = step
+        current, back = results[-1], results[-3]
+        source = rules[current]
         if source in names:
             label, x = source, values[source]
         else:
             index = len(milestones) - (1 if source == "m" else 2)  # 0-based
             label, x = f"m{index + 1}", milestones[index]
-        sign = 1 if op == "+" else -1
-        digit = step % 10
-        result = (current + sign * x + previous + digit) % 10
-        lines.append(f"{step} {current}:{source}{op} {label}={x} {current}{op}{x}+{previous}+{digit}={result}")
-        previous, current = current, result
+        partial = (current + x) % 10
+        result = (partial + back) % 10
+        lines.append(f"{step} {RULE_KEYS[current]}{source} {label}={x} {current}+{x}={partial} "
+                     f"{partial}+{back}={result}")
+        results.append(result)
         if step % spec.milestone_every == 0 and step < num_steps:
-            milestones.append(current)
+            milestones.append(result)
             k = len(milestones)
-            lines.append(f"m{k}={current}")
-            lines.append(f"check m{k - 1}={milestones[-2]} m{k}={current}")
-    answer = f"{previous}{current}{milestones[-1]}"
+            lines.append(f"m{k}={result}")
+            lines.append(f"check m{k - 1}={milestones[-2]} m{k}={result}")
+    answer = f"{results[-2]}{results[-1]}{milestones[-1]}"
     lines.append(f"answer {answer}")
     return Problem(seed=seed, statement=statement, solution="\n".join(lines), answer=answer, num_steps=num_steps)
 

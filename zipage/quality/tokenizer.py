@@ -1,7 +1,7 @@
 """A character-level tokenizer for the synthetic tasks, saved as a HuggingFace fast tokenizer.
 
-One token per character (digits, lowercase letters, a little punctuation, space and
-newline) plus ChatML's special tokens, about 50 in all. Characters outside the
+One token per character (digits, letters, a little punctuation, space and newline)
+plus ChatML's special tokens, 76 in all. Characters outside the
 alphabet become ``<unk>``. The files (tokenizer.json, tokenizer_config.json with the
 chat template) load with ``transformers.AutoTokenizer`` and so in the engine.
 
@@ -18,7 +18,7 @@ import numpy as np
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 PAD, IM_START, IM_END, UNK = SPECIAL_TOKENS
-ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz =+-:\n.,()"
+ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ =+-:\n.,()"
 VOCAB = SPECIAL_TOKENS + list(ALPHABET)
 
 CHAT_TEMPLATE = (

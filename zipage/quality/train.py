@@ -11,18 +11,21 @@ worker processes, so no example repeats; the loss counts the solution tokens onl
 Sizing for one GPU run of at most 15 minutes (an H200; estimate, not yet measured)
 ---------------------------------------------------------------------------------
 Work per token: 6 * 13.8M = 83 MFLOP for the weights plus about 40 MFLOP for causal
-attention over ~1,900 tokens (8 layers, width 384, forward and backward), so about
-125 MFLOP. At hidden size 384 the matmuls are small and the step is dominated by
+attention over ~1,950 tokens (8 layers, width 384, forward and backward), so about
+125 MFLOP. At hidden size 384 the matmuls are small and a step is dominated by the
 memory-bound elementwise kernels of the eager model (norms, rotary, activations):
-roughly 150 of them per layer and step, each moving ~0.2 GB for a 128K-token batch,
-about 85 ms per step, plus ~30 ms of matmuls and ~30 ms of flash attention. So
-about 150 ms per step of 131,072 tokens: ~0.9M tokens/s, and ~9.5 minutes of
-training see ~500M tokens, ~250K problems and ~3,500 optimizer steps, or ~25M
-worked steps. Activation memory of the eager model is about 25 KB per token and
-layer, ~26 GB for the batch, far below the card's 139 GB; a larger batch would buy
-fewer optimizer steps, which this kind of task needs more than larger batches.
-Data generation costs ~0.1 ms of Python per problem (~2,000 tokens), so a few
-worker processes keep ahead of ~450 problems per second.
+roughly 150 of them per layer and step, each moving ~0.1 GB for a 64K-token batch,
+about 45 ms per step, plus ~15 ms of matmuls and ~15 ms of flash attention, so about
+75 ms per step of 65,536 tokens (~33 problems): ~0.9M tokens/s. About 9.5 minutes of
+training then see ~500M tokens, ~250K problems (~18M worked steps) in ~7,500
+optimizer steps. The batch is kept that small on purpose: at a fixed token budget
+this kind of task gains more from optimizer steps than from larger batches (a 0.8M
+model on the CPU learns its lookups in sudden drops of the loss, each after some
+hundreds of steps), and 64K tokens still fill the GPU's matmuls. Activation memory
+of the eager model is about 25 KB per token and layer, ~13 GB for the batch, far
+below the card's 139 GB. Data generation costs ~0.6 ms of Python per problem
+(including redrawn ones), so the worker processes (up to 6) keep well ahead of
+the ~450 problems per second the GPU consumes.
 
 How it runs: one problem per row (every row starts at position 0, as at inference),
 rows sorted by length within a pool and right-padded to a multiple of 64 tokens, so
@@ -74,10 +77,10 @@ class TrainConfig:
     seed: int = 0
     max_minutes: float = 11.5  # wall clock for the whole command, evaluation included
     steps: int | None = None  # None: as many as the time budget allows (fixed after 30 steps)
-    batch_tokens: int = 131072  # padded tokens per optimizer step
+    batch_tokens: int = 65536  # padded tokens per optimizer step
     lr: float = 1.5e-3
     min_lr_ratio: float = 0.05
-    warmup_steps: int = 150
+    warmup_steps: int = 200
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     device: str | None = None
@@ -87,6 +90,7 @@ class TrainConfig:
     eval_reserve_s: float = 150.0  # seconds of the budget kept for saving and evaluation
     log_every: int = 10
     max_position_embeddings: int = 4096
+    init_from: str | None = None  # start from this checkpoint's weights (its shape wins over model_size)
     command: str = field(default="", repr=False)
 
     def __post_init__(self):
@@ -178,6 +182,8 @@ def data_loader(config: TrainConfig, workers: int):
 def build_model(config: TrainConfig):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    if config.init_from is not None:  # continue training a checkpoint (master weights in float32)
+        return Qwen3ForCausalLM.from_pretrained(config.init_from, dtype=torch.float32).to(torch.float32)
     hf = Qwen3Config(vocab_size=len(VOCAB), max_position_embeddings=config.max_position_embeddings,
                      tie_word_embeddings=True, rms_norm_eps=1e-6, eos_token_id=VOCAB.index("<|im_end|>"),
                      pad_token_id=0, bos_token_id=None, **MODEL_SIZES[config.model_size])
@@ -226,12 +232,14 @@ def train(config: TrainConfig) -> dict:
     forward = torch.compile(model, dynamic=True) if config.compile else model
     optimizer = make_optimizer(model, config, fused=on_cuda)
     batches = data_loader(config, workers)
-    print(f"model {config.model_size}: {num_params / 1e6:.2f}M parameters on {device}; task {config.task}; "
+    origin = f"from {config.init_from}" if config.init_from else config.model_size
+    print(f"model {origin}: {num_params / 1e6:.2f}M parameters on {device}; task {config.task}; "
           f"{workers} data workers", flush=True)
 
     total = config.steps
     train_deadline = deadline - (config.eval_reserve_s if config.eval_problems else 20.0)
-    log, step, tokens = [], 0, 0
+    log, step, tokens, loss_tokens = [], 0, 0, 0
+    running, running_steps = torch.zeros((), device=device), 0  # summed on the device: no sync per step
     measured_from = None
     loop_start = time.perf_counter()
     while True:
@@ -241,6 +249,7 @@ def train(config: TrainConfig) -> dict:
             print(f"time budget reached at step {step}", flush=True)
             break
         inputs, labels = next(batches)
+        loss_tokens += int((labels != IGNORE).sum())  # on the host, before the copy
         inputs = inputs.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         lr = learning_rate(config, step, total if total is not None else 10 ** 9)
@@ -254,6 +263,10 @@ def train(config: TrainConfig) -> dict:
         optimizer.step()
         step += 1
         tokens += inputs.numel()
+        running += loss.detach()
+        running_steps += 1
+        if step in (5, 35) and on_cuda:
+            torch.cuda.synchronize()  # time finished steps, not queued ones
         if step == 5:
             measured_from = (time.perf_counter(), step)
         if total is None and step == 35:
@@ -264,8 +277,10 @@ def train(config: TrainConfig) -> dict:
             print(f"{seconds_per_step * 1000:.0f} ms per step: {total} steps fit the budget", flush=True)
         if step % config.log_every == 0:
             elapsed = time.perf_counter() - loop_start
-            entry = dict(step=step, tokens=tokens, seconds=round(elapsed, 2), loss=round(loss.item(), 5),
-                         lr=lr)
+            entry = dict(step=step, tokens=tokens, seconds=round(elapsed, 2),
+                         loss=round(running.item() / running_steps, 5), lr=lr)  # mean since the last entry
+            running.zero_()
+            running_steps = 0
             log.append(entry)
             print(f"step {step}/{total or '?'} loss {entry['loss']:.4f} lr {lr:.2e} "
                   f"{tokens / elapsed / 1000:.0f}K tokens/s", flush=True)
@@ -273,7 +288,7 @@ def train(config: TrainConfig) -> dict:
 
     record = dict(config={k: v for k, v in asdict(config).items()}, num_parameters=num_params,
                   device=str(device), torch=torch.__version__, workers=workers, steps=step,
-                  tokens=tokens, train_seconds=round(train_seconds, 1),
+                  tokens=tokens, loss_tokens=loss_tokens, train_seconds=round(train_seconds, 1),
                   tokens_per_second=round(tokens / max(train_seconds, 1e-9)),
                   final_loss=log[-1]["loss"] if log else None, loss_curve=log)
     save_checkpoint(model, config.out)
@@ -303,8 +318,7 @@ def save_checkpoint(model, out: str) -> None:
     """bf16 safetensors (13.8M parameters: 28 MB), config, generation config and tokenizer."""
     from transformers import GenerationConfig
 
-    model.config.dtype = torch.bfloat16
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)  # records the dtype
     model.to(torch.float32)
     eos = VOCAB.index("<|im_end|>")
     GenerationConfig(eos_token_id=eos, pad_token_id=0, bos_token_id=None).save_pretrained(out)
@@ -364,6 +378,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-problems", type=int, default=d.eval_problems)
     p.add_argument("--eval-reserve-s", type=float, default=d.eval_reserve_s)
     p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -377,7 +392,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        max_minutes=args.max_minutes, steps=args.steps, batch_tokens=args.batch_tokens,
                        lr=args.lr, warmup_steps=args.warmup_steps, device=args.device, compile=args.compile,
                        workers=args.workers, eval_problems=args.eval_problems,
-                       eval_reserve_s=args.eval_reserve_s, log_every=args.log_every, command=command)
+                       eval_reserve_s=args.eval_reserve_s, log_every=args.log_every, init_from=args.init_from,
+                       command=command)
 
 
 def _run(args: argparse.Namespace) -> int:
