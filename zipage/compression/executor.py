@@ -35,6 +35,14 @@ class BatchInputs:
     use_history: bool  # some request carries history scores
     any_pool: bool  # some request pools
 
+    @classmethod
+    def from_arrays(cls, tables: torch.Tensor, numbers: torch.Tensor, width: int, block_size: int, keep: int,
+                    use_history: bool, any_pool: bool) -> "BatchInputs":
+        """Views of the packed arrays of ``Compressor.host_inputs`` (on the device)."""
+        return cls(sources=tables[:, :width], targets=tables[:, width:], lengths=numbers[:, 0],
+                   num_previous=numbers[:, 1], pool=numbers[:, 2] != 0, rows=numbers[:, 3:], keep=keep,
+                   n_max=width * block_size, use_history=use_history, any_pool=any_pool)
+
 
 class Compressor:
     def __init__(self, config: CompressionConfig, kv_cache: torch.Tensor, score_cache: torch.Tensor | None,
@@ -124,9 +132,8 @@ class Compressor:
         width = width or max(len(t.source_blocks) for t in tasks)
         tables, numbers = self.host_inputs(tasks, width, rows or len(tasks))
         tables, numbers = tables.to(device, non_blocking=True), numbers.to(device, non_blocking=True)
-        return BatchInputs(
-            sources=tables[:, :width], targets=tables[:, width:], lengths=numbers[:, 0], num_previous=numbers[:, 1],
-            pool=numbers[:, 2] != 0, rows=numbers[:, 3:], keep=tasks[0].keep, n_max=width * self.block_size,
+        return BatchInputs.from_arrays(
+            tables, numbers, width, self.block_size, tasks[0].keep,
             use_history=cfg.global_score_decay is not None and any(t.num_previous > 0 for t in tasks),
             any_pool=cfg.pooling_width is not None and any(t.pool for t in tasks))
 

@@ -48,11 +48,9 @@ class CompressionGraphs:
     def _inputs(self, size: int) -> BatchInputs:
         cfg, tables, numbers = self.compressor.config, self.tables[:size], self.numbers[:size]
         # History and pooling always on: with num_previous = 0 and pool = False they change nothing.
-        return BatchInputs(sources=tables[:, :self.width], targets=tables[:, self.width:], lengths=numbers[:, 0],
-                           num_previous=numbers[:, 1], pool=numbers[:, 2] != 0, rows=numbers[:, 3:],
-                           keep=self.keep, n_max=self.num_tokens,
-                           use_history=cfg.global_score_decay is not None,
-                           any_pool=cfg.pooling_width is not None)
+        return BatchInputs.from_arrays(tables, numbers, self.width, self.compressor.block_size, self.keep,
+                                       use_history=cfg.global_score_decay is not None,
+                                       any_pool=cfg.pooling_width is not None)
 
     @torch.inference_mode()
     def capture(self) -> None:
