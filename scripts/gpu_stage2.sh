@@ -1,28 +1,59 @@
 #!/usr/bin/env bash
-# The standard throughput runs on one H200, one part per device call (each fits in 10 minutes).
-# Usage: OUT=results-dir bash scripts/gpu_stage2.sh PART
-#   full8k | zipage8k   reasoning-8k, KV cache capped at 48 GB of Qwen3-8B KV, peak demand 2x the cache
+# GPU runs that each fit one 10-minute device call; several parts can run side by side on the
+# GPUs of one host (CUDA_VISIBLE_DEVICES picks the GPU of each).
+# Usage: OUT=results-dir [SCALE=1] [LIMIT=570 seconds] [SHAPE=qwen3-8b] bash scripts/gpu_stage2.sh PART
+#   full8k | zipage8k   reasoning-8k, KV cache capped at 48 GB of Qwen3-8B KV x SCALE, peak demand 2x
 #   full16k | zipage16k the same for reasoning-16k
 #   whole8k             Zipage with the whole GPU (no cache cap)
 #   sweep-budget        Zipage budget 1024/2048/4096 (block 256), at scale 1/2
 #   sweep-block         Zipage block 64/128 (budget 2048), at scale 1/2
 #   eager               each mode with and without CUDA graphs and fused kernels, medium scale
+#   train               train the synthetic-task model (MINUTES, default 9.2) into OUT/ledger-14m
+#   tp-test             tensor-parallel engine tests on two GPUs
+#   tp-bench            full and Zipage at TP (default 2), reasoning-8k at SCALE
+#   serve               online benchmark, MODE=full|zipage, Qwen3-8B shape, 12 GB KV cache
+# Each part leaves one archive OUT/PART.tgz (results and log), split into 15 MB pieces if larger.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$(pwd)
 OUT=${OUT:-out}
-mkdir -p "$OUT"
-bench() { timeout 570 python3 -m zipage.cli bench throughput "$@" 2>&1 | grep -v "it/s" | tail -16; }
-case "${1:?part}" in
-  full8k) bench --workload reasoning-8k --modes full --hf-requests 64 --out "$OUT/full8k" ;;
-  zipage8k) bench --workload reasoning-8k --modes zipage --hf-requests 0 --out "$OUT/zipage8k" ;;
-  full16k) bench --workload reasoning-16k --modes full --hf-requests 0 --out "$OUT/full16k" ;;
-  zipage16k) bench --workload reasoning-16k --modes zipage --hf-requests 0 --out "$OUT/zipage16k" ;;
-  whole8k) bench --workload reasoning-8k --whole-gpu --num-requests 512 --modes zipage --hf-requests 0 \
-      --out "$OUT/whole8k" ;;
-  sweep-budget) bench --workload reasoning-8k --scale 0.5 --hf-requests 0 --out "$OUT/sweep-budget" \
-      --modes zipage+budget=1024,zipage,zipage+budget=4096 ;;
-  sweep-block) bench --workload reasoning-8k --scale 0.5 --hf-requests 0 --out "$OUT/sweep-block" \
-      --modes zipage+block=64,zipage+block=128 ;;
-  eager) bench --scale medium --hf-requests 0 --out "$OUT/eager" --modes full,full+eager,zipage,zipage+eager ;;
-  *) echo "unknown part $1" >&2; exit 2 ;;
-esac
+SCALE=${SCALE:-1}
+LIMIT=${LIMIT:-570}
+SHAPE=${SHAPE:-qwen3-8b}
+part=${1:?part}
+name=$part${TAG:-}
+dir=$OUT/$name
+mkdir -p "$dir"
+bench() {
+  timeout "$LIMIT" python3 -m zipage.cli bench throughput --shape "$SHAPE" --scale "$SCALE" "$@" --out "$dir" 2>&1 | grep -v "it/s"
+}
+run() {
+  case "$part" in
+    full8k) bench --workload reasoning-8k --modes full --hf-requests "${HF:-0}" ;;
+    zipage8k) bench --workload reasoning-8k --modes zipage --hf-requests 0 ;;
+    full16k) bench --workload reasoning-16k --modes full --hf-requests 0 ;;
+    zipage16k) bench --workload reasoning-16k --modes zipage --hf-requests 0 ;;
+    whole8k) bench --workload reasoning-8k --whole-gpu --num-requests 512 --modes zipage --hf-requests 0 ;;
+    sweep-budget) bench --workload reasoning-8k --hf-requests 0 \
+        --modes zipage+budget=1024,zipage,zipage+budget=4096 ;;
+    sweep-block) bench --workload reasoning-8k --hf-requests 0 --modes zipage+block=64,zipage+block=128 ;;
+    eager) SCALE=medium bench --hf-requests 0 --modes full,full+eager,zipage,zipage+eager ;;
+    train) timeout "$LIMIT" python3 -m zipage.quality.train --out "$dir" --max-minutes "${MINUTES:-9.2}" \
+        2>&1 | grep -v "it/s" ;;
+    tp-test) ZIPAGE_TEST_DEVICE=cuda timeout "$LIMIT" python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_tensor_parallel.py 2>&1 ;;
+    tp-bench) bench --workload reasoning-8k --modes full,zipage --hf-requests 0 \
+        --tensor-parallel-size "${TP:-2}" ;;
+    serve) budget=(); [ "${MODE:-zipage}" = zipage ] && budget=(--kv-budget-tokens 512)
+        timeout "$LIMIT" python3 -m zipage.cli bench serve --shape "$SHAPE" \
+          --kv-cache-memory-bytes "${KV_BYTES:-12000000000}" "${budget[@]}" --rates "${RATES:-2,8,inf}" --num-requests 64 \
+          --input-len 256 --output-len 2048 --out "$dir" 2>&1 | grep -v "it/s" ;;
+    *) echo "unknown part $part" >&2; return 2 ;;
+  esac
+}
+run | tee "$dir/log.txt"
+code=${PIPESTATUS[0]}
+tar czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "$dir"
+if [ "$(stat -c %s "$OUT/$name.tgz")" -gt 15000000 ]; then
+  split -b 15000000 "$OUT/$name.tgz" "$OUT/$name.tgz.part-" && rm "$OUT/$name.tgz"
+fi
+exit "$code"

@@ -15,6 +15,7 @@ import gc
 import math
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -56,6 +57,8 @@ def add_throughput_parser(sub) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs per model; the KV cache cap stays the same number of tokens")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--hf-requests", type=int, default=4, help="requests run through transformers (0: none)")
     p.add_argument("--hf-max-tokens", type=int, default=None, help="their output cap (default 256)")
@@ -145,13 +148,15 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
     kwargs = dict(load_format=load_format, device=args.device, block_size=opts["block_size"],
                   max_num_seqs=args.max_num_seqs, max_model_len=longest + 1, compression=compression,
                   enable_prefix_caching=opts["prefix_caching"], enforce_eager=opts["enforce_eager"],
-                  seed=args.seed)
+                  seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     probe_dtype = torch.bfloat16 if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu" \
         else torch.float32
     if not args.whole_gpu:
         from zipage.models.registry import spec_from_config
         from zipage.utils.loader import load_config
         spec = spec_from_config(load_config(model_dir))
+        tp = args.tensor_parallel_size  # each rank holds its share of the KV heads (one when there are fewer)
+        spec = replace(spec, num_kv_heads=max(1, spec.num_kv_heads // tp))
         kwargs["kv_cache_memory_bytes"] = cache_tokens * _kv_bytes_per_token(spec, probe_dtype)
     llm = LLM(model_dir, **kwargs)
     engine, runner = llm.engine, llm.engine.runner
@@ -203,6 +208,7 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
         gpu_timeline=trace.summary() if trace else None)
     if not metrics["blocks_returned"]:
         raise RuntimeError(f"{mode}: {bm.num_blocks - bm.num_free_blocks} KV blocks were not returned")
+    llm.close()  # stops tensor-parallel followers before the next mode starts its own
     del llm, engine, runner
     gc.collect()
     if torch.cuda.is_available():
@@ -341,7 +347,8 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                           mean_prompt=sum(len(r.prompt) for r in requests) / len(requests)),
             options=dict(hybrid=not args.no_hybrid,
                          prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                         redundancy=args.redundancy, temperature=args.temperature),
+                         redundancy=args.redundancy, temperature=args.temperature,
+                         tensor_parallel_size=args.tensor_parallel_size),
             modes={m: r["metrics"] for m, r in results.items()}, hf_generate=hf, ratios=ratios,
             timelines={m: r["timeline"] for m, r in results.items()}))
     return 0
