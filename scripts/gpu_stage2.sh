@@ -45,7 +45,7 @@ run() {
         --tensor-parallel-size "${TP:-2}" ;;
     serve) budget=(); [ "${MODE:-zipage}" = zipage ] && budget=(--kv-budget-tokens 512)
         timeout "$LIMIT" python3 -m zipage.cli bench serve --shape "$SHAPE" \
-          --kv-cache-memory-bytes "${KV_BYTES:-12000000000}" "${budget[@]}" --rates "${RATES:-2,8,inf}" --num-requests 64 \
+          --kv-cache-memory-bytes "${KV_BYTES:-12000000000}" "${budget[@]}" --rates "${RATES:-2,8,inf}" --num-requests "${NREQ:-64}" \
           --input-len 256 --output-len 2048 --out "$dir" 2>&1 | grep -v "it/s" ;;
     *) echo "unknown part $part" >&2; return 2 ;;
   esac

@@ -268,3 +268,22 @@ def test_prefill_triton_float16():
     assert out.dtype == torch.float16
     ref = reference_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     assert_close(out, ref, TRITON_TOLERANCE[torch.float16])
+
+
+def test_dense_causal_attention_matches_per_head_softmax():
+    """The memory-profiling attention (packed sequences, grouped KV heads) against an explicit softmax."""
+    from zipage.attention.backend import dense_causal_attention
+
+    gen = torch.Generator().manual_seed(3)
+    lens, heads, kv_heads, dim, scale = [5, 9], 4, 2, 8, 0.3
+    q = torch.randn(sum(lens), heads, dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(sum(lens), kv_heads, dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(sum(lens), kv_heads, dim, generator=gen, dtype=torch.float64)
+    out = dense_causal_attention(q, k, v, [0, 5, 14], scale)
+    start = 0
+    for n in lens:
+        for h in range(heads):
+            qs, ks, vs = q[start:start + n, h], k[start:start + n, h // 2], v[start:start + n, h // 2]
+            scores = (qs @ ks.T * scale).masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
+            torch.testing.assert_close(out[start:start + n, h], scores.softmax(-1) @ vs)
+        start += n

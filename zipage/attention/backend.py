@@ -33,9 +33,12 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
+        # [1, heads, tokens, dim]: batched 4-D inputs let SDPA pick a flash kernel on CUDA; the math
+        # fallback would materialise the tokens x tokens scores (hundreds of GB at a 40K context).
+        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+        attn = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        out[start:end] = attn[0].transpose(0, 1)
     return out
 
 
