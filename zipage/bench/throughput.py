@@ -65,6 +65,7 @@ def add_throughput_parser(sub) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for throughput.json and throughput.png")
+    p.add_argument("--progress-every", type=float, default=30.0, help="seconds between progress lines (0: none)")
     p.set_defaults(func=run_throughput_bench)
 
 
@@ -158,11 +159,14 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
         tp = args.tensor_parallel_size  # each rank holds its share of the KV heads (one when there are fewer)
         spec = replace(spec, num_kv_heads=max(1, spec.num_kv_heads // tp))
         kwargs["kv_cache_memory_bytes"] = cache_tokens * _kv_bytes_per_token(spec, probe_dtype)
+    setup_start = time.perf_counter()
     llm = LLM(model_dir, **kwargs)
     engine, runner = llm.engine, llm.engine.runner
     kv_per_token = _kv_bytes_per_token(runner.spec, runner.dtype)
     weight_bytes = _weight_bytes(runner.model)
     _warm_up(engine, runner, opts, requests)
+    setup_s = time.perf_counter() - setup_start  # engine start (weights, graphs, compiles) and warm-up
+    print(f"  {mode}: ready after {setup_s:.0f} s (engine start and warm-up)", flush=True)
     compressions_before = engine.stats.num_compressions
     for i, r in enumerate(requests):
         engine.add_request(r.prompt, SamplingParams(temperature=args.temperature, max_tokens=r.max_tokens,
@@ -171,11 +175,13 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
     timeline, outputs = [], 0
     bm = engine.block_manager
     start = time.perf_counter()
+    report = Progress(mode, len(requests), args.progress_every)
     while engine.has_unfinished_requests():
         step_start = time.perf_counter()
         finished, stats = engine.step()
         now = time.perf_counter()
         outputs += sum(len(o.outputs[0].token_ids) for o in finished)
+        report.step(now - start, len(finished), stats, engine)
         timeline.append(dict(t=now - start, dt=now - step_start, prefill=stats.is_prefill, seqs=stats.num_seqs,
                              tokens=stats.num_tokens, host_s=stats.host_s, compression_s=stats.compression_s,
                              kv_tokens=stats.kv_tokens, running=stats.num_running, preempted=stats.num_preempted,
@@ -203,7 +209,7 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
         roofline_fraction=sum(bound) / decode_time if decode_time else None,
         steady_roofline_fraction=(sum(b for b, _ in steady) / sum(s["dt"] for _, s in steady)) if steady else None,
         roofline_tokens_per_s=sum(s["seqs"] for s in decode) / sum(bound) if bound else None,
-        query_slots=runner.num_query_slots,
+        query_slots=runner.num_query_slots, setup_s=setup_s,
         blocks_returned=bm.num_free_blocks == bm.num_blocks and all(c == 0 for c in bm.ref_counts),
         gpu_timeline=trace.summary() if trace else None)
     if not metrics["blocks_returned"]:
@@ -214,6 +220,28 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return dict(metrics=metrics, timeline=timeline)
+
+
+class Progress:
+    """A line every ``every`` seconds while a mode runs, so a run stopped by a time limit still
+    says how far it got and how fast it was going."""
+
+    def __init__(self, mode: str, num_requests: int, every: float):
+        self.mode, self.num_requests, self.every = mode, num_requests, every
+        self.finished = self.tokens = self.preempted = 0
+        self.last_t = self.last_tokens = 0.0
+
+    def step(self, t: float, finished: int, stats, engine) -> None:
+        self.finished += finished
+        self.tokens += stats.num_tokens if not stats.is_prefill else 0
+        self.preempted += stats.num_preempted
+        if not self.every or t - self.last_t < self.every:
+            return
+        rate = (self.tokens - self.last_tokens) / (t - self.last_t)
+        print(f"  {self.mode} {t:6.0f} s: {self.finished}/{self.num_requests} done, {stats.num_running} running, "
+              f"{len(engine.scheduler.waiting)} waiting, {rate:,.0f} decode tokens/s, "
+              f"{self.preempted} preemptions, {engine.stats.num_compressions} compressions", flush=True)
+        self.last_t, self.last_tokens = t, self.tokens
 
 
 def run_hf(args, settings, model_dir, load_format, requests) -> dict | None:
