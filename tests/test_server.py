@@ -120,6 +120,21 @@ def test_completions_streamed_text_equals_non_streamed(served):
     assert full.usage.prompt_tokens == len(served.llm.tokenizer.encode(PROMPTS[0]))
 
 
+def test_stream_interval_merges_steps_into_one_chunk(model_dir):
+    """Tokens between a request's first and its end wait for the interval, then come as one chunk."""
+    llm = make_llm(model_dir, block_size=16, max_num_seqs=4, max_model_len=256)
+    with ServerThread(create_app(llm.engine, MODEL, stream_interval=1000.0)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+        full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        chunks = list(client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stream=True,
+            stream_options={"continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    assert [c.usage.completion_tokens for c in chunks] == [1, 16]  # the first token at once, the rest at the end
+    assert [c.choices[0].finish_reason for c in chunks] == [None, "length"]
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+
+
 def test_chat_streamed_text_equals_non_streamed(served):
     client = served.client
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[1]}]

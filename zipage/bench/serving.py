@@ -6,9 +6,14 @@ percentiles of time to first token (TTFT), inter-token latency (ITL) and request
 latency. The server is either one already running (``--url``) or one started in
 this process on a free loopback port (``--model DIR`` or ``--shape``, random weights).
 
-Each request asks for ``continuous_usage_stats``, so every engine step arrives as
-one chunk with the token count so far: a chunk of k tokens after a gap g counts as
-k inter-token gaps of g / k.
+Each request asks for ``continuous_usage_stats``, so every chunk carries the token
+count so far: a chunk of k tokens after a gap g counts as k inter-token gaps of g / k
+(the server sends a stream's tokens at most every ``--stream-interval`` seconds).
+
+The clients run in a child process: parsing every chunk of 48 streams in the server's
+process took that much of the interpreter from the engine thread (they share the GIL)
+that the engine stepped at half its pace. With the server here, each rate also reports
+the engine's steps per second, to compare with its offline step time.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
@@ -34,6 +41,8 @@ def add_serving_parser(sub) -> None:
     target.add_argument("--model", default=None, help="checkpoint directory to serve here")
     target.add_argument("--shape", default="tiny", help="with neither --url nor --model: random weights")
     target.add_argument("--arch", default="qwen3")
+    target.add_argument("--stream-interval", type=float, default=None,
+                        help="the server's seconds between a stream's chunks (default: zipage serve's)")
     w = p.add_argument_group("workload")
     w.add_argument("--rates", default="1,4,16,inf", help="requests per second, comma-separated (inf: burst)")
     w.add_argument("--num-requests", type=int, default=64, help="per rate")
@@ -129,6 +138,10 @@ async def run_rate(base_url: str, model: str, rate: float, args, vocab_size: int
             "latency_s": percentiles([r["latency"] for r in done])}
 
 
+def _run_rate_sync(base_url: str, model: str, rate: float, args, vocab_size: int, headers: dict) -> dict:
+    return asyncio.run(run_rate(base_url, model, rate, args, vocab_size, headers))
+
+
 def _server_model(base_url: str, headers: dict) -> str:
     import httpx
     response = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
@@ -141,7 +154,7 @@ def run_serving_bench(args: argparse.Namespace) -> int:
     if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--num-requests, --input-len and --output-len must be >= 1")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    server = None
+    server = clients = None
     settings = {k: getattr(args, k) for k in ("num_requests", "input_len", "output_len", "temperature",
                                               "workload_seed")}
     try:
@@ -152,24 +165,34 @@ def run_serving_bench(args: argparse.Namespace) -> int:
             server, vocab_size, settings["server"] = _start_server(args)
             base_url = server.url
         model = _server_model(base_url, headers)
-        warmup = argparse.Namespace(**dict(vars(args), num_requests=1, output_len=2))
-        asyncio.run(run_rate(base_url, model, math.inf, warmup, vocab_size, headers))
+        workload = argparse.Namespace(**{k: getattr(args, k) for k in (
+            "num_requests", "input_len", "output_len", "temperature", "workload_seed", "timeout")})
+        warmup = argparse.Namespace(**dict(vars(workload), num_requests=1, output_len=2))
+        clients = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        clients.submit(_run_rate_sync, base_url, model, math.inf, warmup, vocab_size, headers).result()
         rows = []
         for rate in rates:
-            row = asyncio.run(run_rate(base_url, model, rate, args, vocab_size, headers))
+            steps = server.engine.stats.num_steps if server is not None else None
+            row = clients.submit(_run_rate_sync, base_url, model, rate, workload, vocab_size, headers).result()
+            if server is not None:
+                row["engine_steps"] = server.engine.stats.num_steps - steps
+                row["engine_steps_per_s"] = row["engine_steps"] / row["duration_s"]
             rows.append(row)
             print(f"rate {row['rate']}: {row['completed']}/{row['num_requests']} done, "
                   f"{row['requests_per_s']:.2f} req/s, TTFT p50 {_ms(row['ttft_s']['p50'])}, "
                   f"ITL p50 {_ms(row['itl_s']['p50'])}", flush=True)
     finally:
+        if clients is not None:
+            clients.shutdown()
         if server is not None:
             server.stop()
     result = {"benchmark": "serving", "model": model, "settings": settings, "rates": rows}
     print_table([{"rate": r["rate"], "req/s": r["requests_per_s"], "tok/s": r["output_tokens_per_s"],
                   "ttft_p50_ms": _ms_value(r["ttft_s"]["p50"]), "ttft_p99_ms": _ms_value(r["ttft_s"]["p99"]),
                   "itl_p50_ms": _ms_value(r["itl_s"]["p50"]), "itl_p99_ms": _ms_value(r["itl_s"]["p99"]),
-                  "failed": r["failed"]} for r in rows],
-                ["rate", "req/s", "tok/s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "failed"])
+                  "steps/s": r.get("engine_steps_per_s"), "failed": r["failed"]} for r in rows],
+                ["rate", "req/s", "tok/s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "steps/s",
+                 "failed"])
     if args.out:
         import os
         write_json(os.path.join(args.out, "serving.json"), result)
@@ -188,11 +211,14 @@ def _start_server(args):
     if load_format == "dummy":
         kwargs["load_format"] = "dummy"
     llm = LLM(model_dir, **kwargs)
-    app = create_app(llm.engine, "bench", api_key=args.api_key, max_queued_requests=10**6)
+    interval = {} if args.stream_interval is None else {"stream_interval": args.stream_interval}
+    app = create_app(llm.engine, "bench", api_key=args.api_key, max_queued_requests=10**6, **interval)
     vocab_size = args.vocab_size or llm.engine.vocab_size
     described = {k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for k, v in kwargs.items()}
-    return ServerThread(app), vocab_size, {"in_process": args.model or args.shape, "device": str(llm.config.device),
-                                           "engine": described}
+    server = ServerThread(app)
+    server.engine = llm.engine
+    return server, vocab_size, {"in_process": args.model or args.shape, "device": str(llm.config.device),
+                                "engine": described, "stream_interval": app.state.engine.stream_interval}
 
 
 def _ms_value(seconds):

@@ -22,12 +22,17 @@ from zipage.server.protocol import ApiError, ChatCompletionRequest, CompletionRe
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # the hint sent with 503 when the queue is full
+STREAM_INTERVAL_S = 0.02  # streamed tokens are sent in chunks at most this often (see AsyncEngine)
 
 
 def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
-               max_queued_requests: int = 1024) -> FastAPI:
-    """An app serving ``engine`` as model ``model_name``; the engine thread runs while the app does."""
-    async_engine = AsyncEngine(engine, ServerMetrics(), max_queued_requests)
+               max_queued_requests: int = 1024, stream_interval: float = STREAM_INTERVAL_S) -> FastAPI:
+    """An app serving ``engine`` as model ``model_name``; the engine thread runs while the app does.
+
+    Streams get their tokens at most every ``stream_interval`` seconds (first tokens and ends
+    at once); see ``AsyncEngine``.
+    """
+    async_engine = AsyncEngine(engine, ServerMetrics(), max_queued_requests, stream_interval)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -144,15 +149,18 @@ class _Api:
         base = {"id": response_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         usage = _StreamUsage(body, generation)
-        async for index, output in generation:
-            out = output.outputs[0]
-            usage.completion_tokens += len(out.token_ids)
-            if out.text or output.finished or body.continuous_usage:
-                choice = {"index": index, "text": out.text, "logprobs": None,
-                          "finish_reason": out.finish_reason if output.finished else None}
-                yield dict(base, choices=[choice], **usage.field())
+        async for batch in generation.batches():
+            events = []
+            for index, output in batch:
+                out = output.outputs[0]
+                usage.completion_tokens += len(out.token_ids)
+                if out.text or output.finished or body.continuous_usage:
+                    choice = {"index": index, "text": out.text, "logprobs": None,
+                              "finish_reason": out.finish_reason if output.finished else None}
+                    events.append(dict(base, choices=[choice], **usage.field()))
+            yield events
         if body.include_usage:
-            yield dict(base, choices=[], usage=usage.total())
+            yield [dict(base, choices=[], usage=usage.total())]
 
     # -- chat -------------------------------------------------------------------
     async def chat_completions(self, request: Request):
@@ -183,19 +191,21 @@ class _Api:
         base = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
         usage = _StreamUsage(body, generation)
-        for index in range(len(generation.request_ids)):
-            choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}
-            yield dict(base, choices=[choice], **usage.field())
-        async for index, output in generation:
-            out = output.outputs[0]
-            usage.completion_tokens += len(out.token_ids)
-            if out.text or output.finished or body.continuous_usage:
-                choice = {"index": index, "delta": {"content": out.text} if out.text else {}, "logprobs": None,
-                          "finish_reason": out.finish_reason if output.finished else None}
-                yield dict(base, choices=[choice], **usage.field())
+        yield [dict(base, choices=[{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}], **usage.field())
+               for index in range(len(generation.request_ids))]
+        async for batch in generation.batches():
+            events = []
+            for index, output in batch:
+                out = output.outputs[0]
+                usage.completion_tokens += len(out.token_ids)
+                if out.text or output.finished or body.continuous_usage:
+                    choice = {"index": index, "delta": {"content": out.text} if out.text else {}, "logprobs": None,
+                              "finish_reason": out.finish_reason if output.finished else None}
+                    events.append(dict(base, choices=[choice], **usage.field()))
+            yield events
         if body.include_usage:
-            yield dict(base, choices=[], usage=usage.total())
+            yield [dict(base, choices=[], usage=usage.total())]
 
 
 class _StreamUsage:
@@ -278,14 +288,23 @@ class _EventStream(StreamingResponse):
                 self.engine.abort(self.generation.unfinished)
 
 
+_encode_json = json.JSONEncoder(ensure_ascii=False).encode  # built once: json.dumps builds one a call
+
+
 def _sse(events, engine: AsyncEngine, generation: Generation) -> StreamingResponse:
-    """Server-sent events of JSON chunks, ending with [DONE]; a client that leaves aborts its requests."""
+    """Server-sent events of JSON chunks, ending with [DONE]; a client that leaves aborts its requests.
+
+    ``events`` yields lists of chunks, those of one hand-over from the engine thread, sent in one
+    write. The event loop runs this for every stream at every hand-over, holding the GIL that the
+    engine thread needs, so it is kept short.
+    """
     async def stream():
         try:
-            async for event in events:
-                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            async for chunks in events:
+                if chunks:
+                    yield "".join([f"data: {_encode_json(chunk)}\n\n" for chunk in chunks])
         except EngineFailed as error:
-            yield f"data: {json.dumps(ApiError(500, str(error), type='server_error').body())}\n\n"
+            yield f"data: {_encode_json(ApiError(500, str(error), type='server_error').body())}\n\n"
         yield "data: [DONE]\n\n"
 
     return _EventStream(stream(), engine, generation)

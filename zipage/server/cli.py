@@ -21,6 +21,9 @@ def add_serve_parser(sub) -> None:
                    help=f"require 'Authorization: Bearer KEY' on every request (default: ${API_KEY_ENV})")
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests that may wait for the engine; past this, 503 with Retry-After")
+    p.add_argument("--stream-interval", type=float, default=None,
+                   help="seconds between the chunks of a stream (first tokens and ends go at once; "
+                        "default 0.02): fewer chunks leave more of the interpreter to the engine")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=run_serve)
@@ -33,16 +36,19 @@ def served_model_name(args: argparse.Namespace) -> str:
 def build_app(args: argparse.Namespace):
     from zipage import LLM
     from zipage.cli import engine_kwargs
-    from zipage.server.app import create_app
+    from zipage.server.app import STREAM_INTERVAL_S, create_app
 
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    stream_interval = STREAM_INTERVAL_S if args.stream_interval is None else args.stream_interval
+    if not stream_interval >= 0:
+        raise ValueError(f"--stream-interval must be >= 0, got {args.stream_interval}")
     llm = LLM(args.model, **engine_kwargs(args))
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     return create_app(llm.engine, served_model_name(args), api_key=api_key,
-                      max_queued_requests=args.max_queued_requests)
+                      max_queued_requests=args.max_queued_requests, stream_interval=stream_interval)
 
 
 def run_serve(args: argparse.Namespace) -> int:
