@@ -89,3 +89,31 @@ def test_throughput_benchmark_tensor_parallel(tmp_path):
         metrics = result["modes"][mode]
         assert metrics["output_tokens"] == result["workload"]["output_tokens"] and metrics["blocks_returned"]
     assert result["modes"]["zipage"]["num_compressions"] > 0
+
+
+def test_replay_reproduces_the_engine_schedule(tmp_path):
+    """``bench replay`` drives the real scheduler: for full KV it takes the same decode steps and
+    preemptions as the engine running the model on the same workload."""
+    common = ["--shape", "tiny", "--scale", "small", "--device", "cpu", "--modes", "full,zipage"]
+    assert cli_main(["bench", "throughput", *common, "--hf-requests", "0", "--out", str(tmp_path / "run")]) == 0
+    assert cli_main(["bench", "replay", *common, "--out", str(tmp_path / "replay")]) == 0
+    run = json.loads((tmp_path / "run" / "throughput.json").read_text())
+    replay = json.loads((tmp_path / "replay" / "replay.json").read_text())
+    decode_steps = sum(1 for s in run["timelines"]["full"] if not s["prefill"] and s["seqs"])
+    assert replay["modes"]["full"]["decode_steps"] == decode_steps
+    assert replay["modes"]["full"]["num_preemptions"] == run["modes"]["full"]["num_preemptions"]
+    zipage = replay["modes"]["zipage"]
+    assert zipage["output_tokens"] == run["workload"]["output_tokens"] and zipage["num_compressions"] > 0
+    assert zipage["model_s"] > 0 and "zipage_over_full" in replay["ratios"]
+
+
+def test_replay_step_model_errors():
+    import pytest
+
+    from zipage.bench.replay import parse_step_model
+
+    assert parse_step_model("1,0,0.5,2,0.01") == dict(a=1.0, b=0.0, c=0.5, p0=2.0, p1=0.01)
+    with pytest.raises(ValueError, match="5 comma-separated"):
+        parse_step_model("1,2")
+    with pytest.raises(ValueError, match=">= 0"):
+        parse_step_model("1,-2,0,0,0")

@@ -9,10 +9,12 @@ def add_bench_parser(sub) -> None:
     from zipage.bench.compression import add_compression_parser
     from zipage.bench.decode import add_decode_parser
     from zipage.bench.kernels import add_kernel_parser
+    from zipage.bench.replay import add_replay_parser
     from zipage.bench.serving import add_serving_parser
     from zipage.bench.throughput import add_throughput_parser
     add_decode_parser(kinds)
     add_kernel_parser(kinds)
     add_compression_parser(kinds)
     add_throughput_parser(kinds)
+    add_replay_parser(kinds)
     add_serving_parser(kinds)

@@ -34,6 +34,16 @@ PRESETS = {  # --scale name -> settings for a run that fits a CPU or one short d
 
 def add_throughput_parser(sub) -> None:
     p = sub.add_parser("throughput", help="long-reasoning throughput: full KV against Zipage")
+    add_workload_args(p)
+    p.add_argument("--hf-requests", type=int, default=4, help="requests run through transformers (0: none)")
+    p.add_argument("--hf-max-tokens", type=int, default=None, help="their output cap (default 256)")
+    p.add_argument("--out", default=None, help="directory for throughput.json and throughput.png")
+    p.add_argument("--progress-every", type=float, default=30.0, help="seconds between progress lines (0: none)")
+    p.set_defaults(func=run_throughput_bench)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload, cache and engine options (shared with ``bench replay``)."""
     p.add_argument("--model", default=None, help="checkpoint directory (default: --shape with random weights)")
     p.add_argument("--shape", default="qwen3-8b")
     p.add_argument("--arch", default="qwen3")
@@ -60,19 +70,14 @@ def add_throughput_parser(sub) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs per model; the KV cache cap stays the same number of tokens")
     p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--hf-requests", type=int, default=4, help="requests run through transformers (0: none)")
-    p.add_argument("--hf-max-tokens", type=int, default=None, help="their output cap (default 256)")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="directory for throughput.json and throughput.png")
-    p.add_argument("--progress-every", type=float, default=30.0, help="seconds between progress lines (0: none)")
-    p.set_defaults(func=run_throughput_bench)
 
 
 def _settings(args) -> dict:
     preset = PRESETS.get(args.scale, {})
     scale = preset.get("scale") or float(args.scale)
-    pick = {k: getattr(args, k) for k in ("block_size", "budget", "window", "hf_max_tokens")}
+    pick = {k: getattr(args, k, None) for k in ("block_size", "budget", "window", "hf_max_tokens")}
     defaults = dict(block_size=256, budget=2048, window=16, hf_max_tokens=256)
     return dict(scale=scale, **{k: v if v is not None else preset.get(k, defaults[k]) for k, v in pick.items()})
 
@@ -135,9 +140,11 @@ def _warm_up(engine, runner, opts: dict, requests) -> None:
         engine.step()
 
 
-def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, requests, cache_tokens) -> dict:
-    """Serve ``requests`` in one mode; return its metrics and per-step timeline."""
-    from zipage import LLM, CompressionConfig, SamplingParams
+def engine_kwargs(mode: str, args, settings: dict, model_dir: str, requests, cache_tokens: int,
+                  dtype: torch.dtype) -> tuple[dict, dict]:
+    """``LLM`` keyword arguments of a mode (KV cache capped at ``cache_tokens`` of ``dtype`` unless
+    --whole-gpu), and the mode's options."""
+    from zipage import CompressionConfig
 
     opts = mode_options(mode, args, settings)
     compression = None
@@ -146,19 +153,28 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
                                         redundancy=opts["redundancy"], asynchronous=opts["asynchronous"],
                                         hybrid=opts["hybrid"])
     longest = max(len(r.prompt) + r.max_tokens for r in requests)
-    kwargs = dict(load_format=load_format, device=args.device, block_size=opts["block_size"],
+    kwargs = dict(device=args.device, block_size=opts["block_size"],
                   max_num_seqs=args.max_num_seqs, max_model_len=longest + 1, compression=compression,
                   enable_prefix_caching=opts["prefix_caching"], enforce_eager=opts["enforce_eager"],
                   seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
-    probe_dtype = torch.bfloat16 if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu" \
-        else torch.float32
     if not args.whole_gpu:
         from zipage.models.registry import spec_from_config
         from zipage.utils.loader import load_config
         spec = spec_from_config(load_config(model_dir))
         tp = args.tensor_parallel_size  # each rank holds its share of the KV heads (one when there are fewer)
         spec = replace(spec, num_kv_heads=max(1, spec.num_kv_heads // tp))
-        kwargs["kv_cache_memory_bytes"] = cache_tokens * _kv_bytes_per_token(spec, probe_dtype)
+        kwargs["kv_cache_memory_bytes"] = cache_tokens * _kv_bytes_per_token(spec, dtype)
+    return kwargs, opts
+
+
+def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, requests, cache_tokens) -> dict:
+    """Serve ``requests`` in one mode; return its metrics and per-step timeline."""
+    from zipage import LLM, SamplingParams
+
+    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu"
+    kwargs, opts = engine_kwargs(mode, args, settings, model_dir, requests, cache_tokens,
+                                 torch.bfloat16 if on_gpu else torch.float32)
+    kwargs["load_format"] = load_format
     setup_start = time.perf_counter()
     llm = LLM(model_dir, **kwargs)
     engine, runner = llm.engine, llm.engine.runner
@@ -315,7 +331,8 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
-def run_throughput_bench(args: argparse.Namespace) -> int:
+def prepare_workload(args: argparse.Namespace):
+    """Settings, model, seeded requests, cache size and checked modes of a run (printed in one line)."""
     settings = _settings(args)
     scale = settings["scale"]
     model_dir, load_format = model_dir_for(args.model, args.shape, args.arch)
@@ -332,10 +349,15 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
     print(f"{args.workload} x{scale:g}: {len(requests)} requests, {sum(r.max_tokens for r in requests)} output "
           f"tokens, peak KV demand {demand} tokens ({demand / cache_tokens:.2f} x the cache); KV cache "
           f"{'whole GPU' if args.whole_gpu else f'{cache_tokens} tokens'}")
-
     modes = args.modes.split(",")
     for mode in modes:  # reject a bad mode before any run
         mode_options(mode, args, settings)
+    return settings, model_dir, load_format, requests, cache_tokens, modes
+
+
+def run_throughput_bench(args: argparse.Namespace) -> int:
+    settings, model_dir, load_format, requests, cache_tokens, modes = prepare_workload(args)
+    scale = settings["scale"]
     results = {mode: run_mode(mode, args, settings, model_dir, load_format, requests, cache_tokens)
                for mode in modes}
     hf = run_hf(args, settings, model_dir, load_format, requests)
@@ -369,7 +391,7 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
             benchmark="throughput", model=args.model or args.shape, settings=settings,
             workload=dict(name=args.workload, seed=args.seed, scale=scale, requests=len(requests),
                           samples_per_prompt=args.samples_per_prompt, cache_tokens=cache_tokens,
-                          peak_kv_demand=demand,
+                          peak_kv_demand=peak_kv_demand(requests),
                           output_tokens=sum(lengths), mean_output=sum(lengths) / len(lengths),
                           max_output=max(lengths),
                           mean_prompt=sum(len(r.prompt) for r in requests) / len(requests)),

@@ -49,7 +49,9 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, runner=None):
+        """``runner``: the model runner to drive (default: built from ``config``); ``bench replay``
+        passes one that only keeps time."""
         from zipage.runner.tensor_parallel import make_runner
 
         self.config = config
@@ -57,7 +59,7 @@ class LLMEngine:
         model_max_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         config.scheduler.resolve(model_max_len)
         self.tokenizer = load_tokenizer(config.model)
-        self.runner = make_runner(config, self.hf_config)
+        self.runner = runner if runner is not None else make_runner(config, self.hf_config)
         self.vocab_size = self.runner.vocab_size
         capacity = self.runner.num_blocks * config.cache.block_size
         # Without compression a request must fit the cache at full length; with it, only its
