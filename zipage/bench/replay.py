@@ -147,6 +147,9 @@ def run_replay_bench(args: argparse.Namespace) -> int:
     from zipage.bench.throughput import prepare_workload
 
     step_model = parse_step_model(args.step_model)
+    if args.whole_gpu:
+        raise ValueError("bench replay has no GPU to size the cache from: give --kv-cache-tokens instead of "
+                         "--whole-gpu")
     settings, model_dir, _, requests, cache_tokens, modes = prepare_workload(args)
     rows = [replay_mode(mode, args, settings, model_dir, requests, cache_tokens, step_model) for mode in modes]
     print()
