@@ -21,12 +21,14 @@ def _statement(text: str):
     return values, rules, start, steps
 
 
-def solve_step(working_set: str, step: int) -> str:
-    """The line of ``step`` computed from a working set only: the statement, the latest
-    check line and the last three step lines (an independent reading of the rules)."""
-    values, rules, start, _ = _statement(working_set)
+def solve_step(working_set: str) -> str:
+    """The next step line computed from a working set only: the statement, the latest
+    check line and the last three step lines (an independent reading of the rules).
+    Its number is the last step line's minus one, or the statement's step count first."""
+    values, rules, start, steps = _statement(working_set)
     recent = [m for m in (STEP.match(line) for line in working_set.split("\n")) if m]
     results = start + [int(m.group(11)) for m in recent]
+    number = int(recent[-1].group(1)) - 1 if recent else steps
     current, back = results[-1], results[-3]
     check = [line for line in working_set.split("\n") if line.startswith("check ")][-1]
     milestones = [(int(k), int(v)) for k, v in re.findall(r"m(\d+)=(\d)", check)]
@@ -38,36 +40,47 @@ def solve_step(working_set: str, step: int) -> str:
         label = f"m{k}"
     partial = (current + x) % 10
     result = (partial + back) % 10
-    return f"{step} {'ABCDEFGHIJ'[current]}{source} {label}={x} {current}+{x}={partial} {partial}+{back}={result}"
+    return f"{number} {'ABCDEFGHIJ'[current]}{source} {label}={x} {current}+{x}={partial} {partial}+{back}={result}"
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, tasks.HELD_OUT_SEED + 7])
-def test_every_step_follows_from_a_small_working_set(seed):
-    problem = tasks.make_problem(seed)
+def after_step(line: str, every: int) -> str:
+    """What follows a step line, decided from that line alone: "answer" after line 1,
+    a milestone after a line numbered by a multiple of ``every``, else the next step."""
+    number = int(STEP.match(line).group(1))
+    return "answer" if number == 1 else "milestone" if number % every == 0 else "step"
+
+
+@pytest.mark.parametrize("seed,spec", [(0, "standard"), (1, "standard"), (2, "standard"),
+                                       (tasks.HELD_OUT_SEED + 7, "standard"), (3, "short"), (4, "tiny")])
+def test_every_step_follows_from_a_small_working_set(seed, spec):
+    problem = tasks.make_problem(seed, spec)
+    every = tasks.SPECS[spec].milestone_every
     lines = problem.solution.split("\n")
     assert lines[0].startswith("check m1=") and lines[-1] == f"answer {problem.answer}"
-    steps_seen, milestones = 0, 2
+    numbers, milestones = [], 2
     for i, line in enumerate(lines):
         match = STEP.match(line)
         if match:
-            step = int(match.group(1))
-            assert step == steps_seen + 1
             before = lines[:i]
             check = [x for x in before if x.startswith("check ")][-1]
             last_three = [x for x in before if STEP.match(x)][-3:]
             working_set = "\n".join([problem.statement, check] + last_three)
             assert len(working_set) < 200  # constant, whatever the solution's length
-            assert solve_step(working_set, step) == line
-            steps_seen = step
+            assert solve_step(working_set) == line
+            numbers.append(int(match.group(1)))
+            following = lines[i + 1]
+            kind = "answer" if following.startswith("answer ") else "milestone" if following.startswith("m") else "step"
+            assert kind == after_step(line, every), (line, following)
         elif line.startswith("m"):
             milestones += 1
             assert line == f"m{milestones}={lines[i - 1][-1]}"
-            assert steps_seen % tasks.SPECS["standard"].milestone_every == 0
+            assert lines[i + 1].startswith(f"check m{milestones - 1}=") and lines[i + 1].endswith(f" {line}")
     _, _, _, steps = _statement(problem.statement)
-    assert steps_seen == steps == problem.num_steps
+    assert numbers == list(range(steps, 0, -1)) and steps == problem.num_steps
     results = [line[-1] for line in lines if STEP.match(line)]
     latest = [line[-1] for line in lines if re.match(r"^m\d+=\d$", line)] or [lines[0][-1]]
     assert problem.answer == results[-2] + results[-1] + latest[-1]
+    assert tasks.extract_answer(problem.solution) == problem.answer
 
 
 def test_problems_are_seeded_and_held_out_ones_differ_from_training():

@@ -1,53 +1,65 @@
 """Seeded synthetic reasoning problems with exact answers: the "ledger" task.
 
-A problem statement defines five values and a rule for each digit; the worked
-solution walks a chain of single-digit results, one numbered step per line. Step
-i starts from the previous result u, names the rule for u (rules are lettered,
-A for 0 to J for 9), fetches the value the rule points to and computes
+A problem statement defines five values, a rule for each digit and a step count N;
+the worked solution walks a chain of single-digit results, one step per line. Step
+lines are numbered by the steps left, counting down from N (copied from the
+statement) to 1. A step starts from the previous result u, names the rule for u
+(rules are lettered, A for 0 to J for 9), fetches the value the rule points to and
+computes
 
-    s = (u + x) mod 10,    v_i = (s + r) mod 10
+    s = (u + x) mod 10,    v = (s + r) mod 10
 
 where ``x`` is a value of the statement (a..e) or a milestone (``m``: the latest,
-``n``: the one before it) and ``r`` is the result three steps back. Every
-``milestone_every`` steps the current result becomes a milestone and a check line
-restates the two live milestones. After the last step (the statement says how
-many) the answer gives the last two results and the latest milestone.
+``n``: the one before it) and ``r`` is the result three steps back. After every step
+line whose number is a multiple of ``milestone_every`` (but not after line 1), its
+result becomes a milestone and a check line restates the two live milestones. After
+line 1 the answer gives the last two results and the latest milestone.
 
     user:      a=9 b=4 c=5 d=8 e=0
                rules Ab Bb Cn Dd Ee Fm Gb Hd Im Jn
                start 0 0 3
                steps 63
     assistant: check m1=0 m2=3
-               1 Dd d=8 3+8=1 1+0=1
-               2 Bb b=4 1+4=5 5+0=5
-               3 Fm m2=3 5+3=8 8+3=1
+               63 Dd d=8 3+8=1 1+0=1
+               62 Bb b=4 1+4=5 5+0=5
+               61 Fm m2=3 5+3=8 8+3=1
+               60 Bb b=4 1+4=5 5+1=6
+               m3=6
+               check m2=3 m3=6
+               59 Gb b=4 6+4=0 0+5=5
                ...
-               10 Ab b=4 0+4=4 4+5=9
-               m3=9
-               check m2=3 m3=9
-               11 Jn m2=3 9+3=2 2+3=5
-               12 Fm m3=9 5+9=4 4+0=4
-               13 Ee e=0 4+0=4 4+9=3
+               10 Bb b=4 1+4=5 5+6=1
+               m8=1
+               check m7=6 m8=1
+               9 Bb b=4 1+4=5 5+5=0
                ...
-               63 Im m8=4 8+4=2 2+4=6
-               answer 864
+               2 Dd d=8 3+8=1 1+1=2
+               1 Cn m7=6 2+6=8 8+2=0
+               answer 201
 
 Why this shape. It is built like a reasoning trace whose working set stays small
-while the trace grows: the statement (rules, values, the step count that ends the
-solution) matters until the end, every step needs the steps just before it, some
-need a milestone, and older steps are never needed again. Milestone and check lines
-repeat earlier results, so the cache holds redundant copies of every live fact. A
-policy that keeps the statement, the last three step lines and the latest check
-line (under 200 tokens) can reproduce the solution at any length; one that keeps
-only recent tokens loses the rules, one that keeps only what the last tokens
-attend to loses the rules not used lately.
+while the trace grows: the statement's rules and values matter until the end, every
+step needs the steps just before it, some need a milestone, and older steps are
+never needed again. The step count is read once, for the first line; from then on
+the line numbers carry it, so when to write a milestone (the number's last digit)
+and when to stop (after line 1) are decided from the line just written, not by
+matching a counter against the statement far back. (Numbered upwards, the stop
+needed exactly that match, multi-digit and keyed by digits that occur everywhere: a
+13.8M model trained on that design reproduced every step and then ran past the
+last.) Milestone and check lines repeat earlier results, so the cache holds
+redundant copies of every live fact. A policy that keeps the statement, the last
+three step lines and the latest check line (under 200 tokens) can reproduce the
+solution at any length; one that keeps only recent tokens loses the rules, one that
+keeps only what the last tokens attend to loses the rules not used lately.
 
 Made to be learnable by a small model from scratch: every lookup is keyed by a
-rare token (a rule letter, a value name) and reads the token right after it, and
-arithmetic comes one two-operand sum at a time. Shortcuts are designed out: there is no second
+rare token (a rule letter, a value name) and reads the token right after it,
+arithmetic comes one two-operand sum at a time, and a line's number is the last step
+line's number minus one. Shortcuts are designed out: there is no second
 pass to copy, a step line never determines the next one (that needs the result
 two steps back), and a draw whose chain would come back to an earlier state (and so
-repeat itself) or whose last three results recur within 20 steps is drawn again.
+repeat itself) or whose last three results recur within 20 steps is drawn again (as
+is one whose chain never reads a milestone).
 
 Problem ``seed`` gives the same problem everywhere (``random.Random``). Held-out
 problems use seeds from ``HELD_OUT_SEED`` up; training draws its seeds below it.
@@ -101,7 +113,7 @@ class Problem:
     statement: str  # the user message
     solution: str  # the worked solution, ending with the answer line
     answer: str  # digits: the last two results and the latest milestone
-    num_steps: int
+    num_steps: int  # N: the first step line is numbered N, the last 1
 
 
 def get_spec(spec: TaskSpec | str) -> TaskSpec:
@@ -114,7 +126,7 @@ def get_spec(spec: TaskSpec | str) -> TaskSpec:
 
 def _draw_rules(rng: random.Random, names: str, milestone_share: float) -> list[str]:
     """The source of each digit's rule: a value name, "m" or "n"; both milestones appear at
-    least once when milestones are drawn at all, so every solution reads an earlier milestone."""
+    least once when milestones are drawn at all (a draw whose chain reads none is drawn again)."""
     rules = [rng.choice("mn") if rng.random() < milestone_share else rng.choice(names) for _ in range(10)]
     if milestone_share > 0:
         for slot, source in zip(rng.sample(range(10), 2), "mn"):
@@ -127,7 +139,8 @@ def make_problem(seed: int, spec: TaskSpec | str = "standard") -> Problem:
     """The problem of ``seed``: statement, worked solution and answer.
 
     A draw whose chain comes back to a state it was in (same results, milestones and
-    place in the step cycle) would repeat itself from there on, so it is drawn again.
+    place in the step cycle) would repeat itself from there on, so it is drawn again;
+    so is one whose chain never reads a milestone.
     """
     spec = get_spec(spec)
     rng = random.Random(seed)
@@ -152,14 +165,14 @@ def _draw(rng: random.Random, spec: TaskSpec, seed: int) -> Problem | None:
     ])
     milestones = results[1:]  # m1, m2: the last two start values
     lines = [f"check m1={milestones[0]} m2={milestones[1]}"]
-    seen, recent = set(), {}
-    for step in range(1, num_steps + 1):
-        state = (step % spec.milestone_every, *results[-3:], milestones[-1], milestones[-2])
+    seen, recent, reads_milestone = set(), {}, False
+    for left in range(num_steps, 0, -1):  # steps left, this one included: the line's number
+        state = (left % spec.milestone_every, *results[-3:], milestones[-1], milestones[-2])
         triple = tuple(results[-3:])
-        if state in seen or step - recent.get(triple, -PERIOD_FREE) < PERIOD_FREE:
+        if state in seen or recent.get(triple, left + PERIOD_FREE) - left < PERIOD_FREE:
             return None  # the chain would repeat itself, or go round a short loop
         seen.add(state)
-        recent[triple] = step
+        recent[triple] = left
         current, back = results[-1], results[-3]
         source = rules[current]
         if source in names:
@@ -167,16 +180,19 @@ def _draw(rng: random.Random, spec: TaskSpec, seed: int) -> Problem | None:
         else:
             index = len(milestones) - (1 if source == "m" else 2)  # 0-based
             label, x = f"m{index + 1}", milestones[index]
+            reads_milestone = True
         partial = (current + x) % 10
         result = (partial + back) % 10
-        lines.append(f"{step} {RULE_KEYS[current]}{source} {label}={x} {current}+{x}={partial} "
+        lines.append(f"{left} {RULE_KEYS[current]}{source} {label}={x} {current}+{x}={partial} "
                      f"{partial}+{back}={result}")
         results.append(result)
-        if step % spec.milestone_every == 0 and step < num_steps:
+        if left % spec.milestone_every == 0 and left > 1:
             milestones.append(result)
             k = len(milestones)
             lines.append(f"m{k}={result}")
             lines.append(f"check m{k - 1}={milestones[-2]} m{k}={result}")
+    if spec.milestone_rules > 0 and not reads_milestone:
+        return None  # every solution needs an earlier milestone somewhere
     answer = f"{results[-2]}{results[-1]}{milestones[-1]}"
     lines.append(f"answer {answer}")
     return Problem(seed=seed, statement=statement, solution="\n".join(lines), answer=answer, num_steps=num_steps)

@@ -8,32 +8,39 @@ The model is ``transformers.Qwen3ForCausalLM`` (preset ``small``: 8 layers, hidd
 tokenizer of ``zipage.quality.tokenizer``. Problems are generated on the fly by
 worker processes, so no example repeats; the loss counts the solution tokens only.
 
-Sizing for one GPU run of at most 15 minutes (an H200; estimate, not yet measured)
----------------------------------------------------------------------------------
+Sizing for one GPU run of at most 15 minutes (an H200)
+-----------------------------------------------------
 Work per token: 6 * 13.8M = 83 MFLOP for the weights plus about 40 MFLOP for causal
 attention over ~1,950 tokens (8 layers, width 384, forward and backward), so about
 125 MFLOP. At hidden size 384 the matmuls are small and a step is dominated by the
-memory-bound elementwise kernels of the eager model (norms, rotary, activations):
-roughly 150 of them per layer and step, each moving ~0.1 GB for a 64K-token batch,
-about 45 ms per step, plus ~15 ms of matmuls and ~15 ms of flash attention, so about
-75 ms per step of 65,536 tokens (~33 problems): ~0.9M tokens/s. About 9.5 minutes of
-training then see ~500M tokens, ~250K problems (~18M worked steps) in ~7,500
-optimizer steps. The batch is kept that small on purpose: at a fixed token budget
-this kind of task gains more from optimizer steps than from larger batches (a 0.8M
-model on the CPU learns its lookups in sudden drops of the loss, each after some
-hundreds of steps), and 64K tokens still fill the GPU's matmuls. Activation memory
+memory-bound elementwise kernels of the eager model (norms, rotary, activations).
+The estimate was ~75 ms per step of 65,536 padded tokens (~0.9M tokens/s); the first
+H200 run (2026-11-30, eager, bf16) measured about 87 ms per step once warm, and
+719K tokens/s over its whole training (2,250 steps, 141M tokens in 196 s), its first
+steps being about twice as slow. At that speed a minute of training sees ~43M
+tokens (~690 steps), so the ~400 s that ``--max-minutes 9.3`` leaves for training
+would see ~290M (an extrapolation, not yet run). The batch is kept that small on purpose:
+at a fixed token budget this kind of task gains more from optimizer steps than from
+larger batches (a 0.8M model on the CPU learns its lookups in sudden drops of the
+loss, each after some hundreds of steps), and 64K tokens still fill the GPU's
+matmuls. Activation memory
 of the eager model is about 25 KB per token and layer, ~13 GB for the batch, far
-below the card's 139 GB. Data generation costs ~0.6 ms of Python per problem
-(including redrawn ones), so the worker processes (up to 6) keep well ahead of
-the ~450 problems per second the GPU consumes.
+below the card's 139 GB. Data generation costs well under a millisecond of Python
+per problem (redrawn ones included), so the worker processes (up to 6) keep ahead
+of the ~350 problems per second the GPU consumes.
 
 How it runs: one problem per row (every row starts at position 0, as at inference),
 rows sorted by length within a pool and right-padded to a multiple of 64 tokens, so
 flash attention runs with a plain causal mask and padding costs a few percent; bf16
 autocast on CUDA (float32 on the CPU), fused AdamW, linear warmup then cosine decay.
-With ``--max-minutes`` the step count is fixed after 30 measured steps so that the
-cosine schedule ends inside the budget (``--steps`` fixes it by hand and makes a run
-repeatable); the checkpoint is saved before the held-out evaluation starts. The
+Without ``--steps`` the schedule is driven by time (``Schedule``): after the warmup
+steps the cosine's progress is the share of the training time elapsed, so it reaches
+its floor when the time budget (``--max-minutes`` less the evaluation reserve) is
+spent, whatever the speed does meanwhile. (Fixing the step count from the speed of
+the first steps stopped the first GPU run after 196 s of a ~400 s budget: its first
+steps were twice as slow as the rest.) ``--steps N`` counts steps instead and makes a
+run repeatable; ``training.json`` records which schedule ran. The checkpoint is
+saved before the held-out evaluation starts. The
 seed fixes the initial weights and the problems (given the number of workers).
 ``--compile`` wraps the model in ``torch.compile`` (dynamic shapes); it is off by
 default because it has not been tried on the GPU yet.
@@ -76,7 +83,7 @@ class TrainConfig:
     task: str = "standard"
     seed: int = 0
     max_minutes: float = 11.5  # wall clock for the whole command, evaluation included
-    steps: int | None = None  # None: as many as the time budget allows (fixed after 30 steps)
+    steps: int | None = None  # None: as many as the time budget allows (time-based schedule)
     batch_tokens: int = 65536  # padded tokens per optimizer step
     lr: float = 1.5e-3
     min_lr_ratio: float = 0.05
@@ -199,12 +206,53 @@ def make_optimizer(model, config: TrainConfig, fused: bool):
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
-def learning_rate(config: TrainConfig, step: int, total: int) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine down to ``min_lr_ratio * lr`` at ``total``."""
+def learning_rate(config: TrainConfig, step: int, total: int | None = None, progress: float | None = None) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine down to ``min_lr_ratio * lr``.
+
+    The decay's progress (0 at the end of the warmup, 1 at the floor) is either counted in
+    steps towards ``total`` or given as ``progress`` (the time-based schedule)."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
-    progress = min(1.0, (step - config.warmup_steps) / max(1, total - config.warmup_steps))
+    if progress is None:
+        progress = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
+    progress = min(1.0, max(0.0, progress))
     return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Schedule:
+    """The learning rate of each step and when training ends.
+
+    With ``steps`` set the schedule counts steps (repeatable: the same steps see the same
+    rates whatever the machine's speed). Without it, it is driven by time: the warmup
+    still counts steps, then the cosine's progress is the share of the time left at the
+    end of the warmup that has passed, so the floor is reached when the training time
+    is up, however the speed changes along the way (compilation, a slow start)."""
+
+    def __init__(self, config: TrainConfig, start: float, deadline: float):
+        self.config, self.start, self.deadline = config, start, deadline
+        self.total = config.steps
+        self.decay_start: float | None = None  # when the warmup ended (time-based schedule)
+
+    def finished(self, step: int, now: float) -> bool:
+        return (self.total is not None and step >= self.total) or now > self.deadline
+
+    def progress(self, step: int, now: float) -> float | None:
+        """The time-based decay's progress at ``now`` (None for a step-counted schedule)."""
+        if self.total is not None or step < self.config.warmup_steps:
+            return None
+        if self.decay_start is None:
+            self.decay_start = now
+        return (now - self.decay_start) / max(1e-9, self.deadline - self.decay_start)
+
+    def rate(self, step: int, now: float) -> float:
+        return learning_rate(self.config, step, self.total, self.progress(step, now))
+
+    def describe(self) -> dict:
+        if self.total is not None:
+            return dict(kind="steps", total_steps=self.total, warmup_steps=self.config.warmup_steps)
+        decay_start = None if self.decay_start is None else round(self.decay_start - self.start, 1)
+        return dict(kind="time", warmup_steps=self.config.warmup_steps,
+                    train_budget_s=round(self.deadline - self.start, 1), decay_start_s=decay_start)
 
 
 def loss_of(model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -236,23 +284,22 @@ def train(config: TrainConfig) -> dict:
     print(f"model {origin}: {num_params / 1e6:.2f}M parameters on {device}; task {config.task}; "
           f"{workers} data workers", flush=True)
 
-    total = config.steps
     train_deadline = deadline - (config.eval_reserve_s if config.eval_problems else 20.0)
     log, step, tokens, loss_tokens = [], 0, 0, 0
     running, running_steps = torch.zeros((), device=device), 0  # summed on the device: no sync per step
-    measured_from = None
     loop_start = time.perf_counter()
+    schedule = Schedule(config, loop_start, train_deadline)
     while True:
-        if total is not None and step >= total:
-            break
-        if time.perf_counter() > train_deadline:
-            print(f"time budget reached at step {step}", flush=True)
+        now = time.perf_counter()
+        if schedule.finished(step, now):
+            if schedule.total is None or step < schedule.total:
+                print(f"time budget reached at step {step}", flush=True)
             break
         inputs, labels = next(batches)
         loss_tokens += int((labels != IGNORE).sum())  # on the host, before the copy
         inputs = inputs.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
-        lr = learning_rate(config, step, total if total is not None else 10 ** 9)
+        lr = schedule.rate(step, now)
         for group in optimizer.param_groups:
             group["lr"] = lr
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_cuda):
@@ -265,29 +312,22 @@ def train(config: TrainConfig) -> dict:
         tokens += inputs.numel()
         running += loss.detach()
         running_steps += 1
-        if step in (5, 35) and on_cuda:
-            torch.cuda.synchronize()  # time finished steps, not queued ones
-        if step == 5:
-            measured_from = (time.perf_counter(), step)
-        if total is None and step == 35:
-            # Fix the schedule's length from the measured speed (compile and warm-up excluded).
-            seconds_per_step = (time.perf_counter() - measured_from[0]) / (step - measured_from[1])
-            remaining = train_deadline - time.perf_counter()
-            total = step + max(1, int(0.97 * remaining / seconds_per_step))
-            print(f"{seconds_per_step * 1000:.0f} ms per step: {total} steps fit the budget", flush=True)
         if step % config.log_every == 0:
+            mean_loss = running.item() / running_steps  # since the last entry; syncs, so finished steps are timed
             elapsed = time.perf_counter() - loop_start
-            entry = dict(step=step, tokens=tokens, seconds=round(elapsed, 2),
-                         loss=round(running.item() / running_steps, 5), lr=lr)  # mean since the last entry
+            entry = dict(step=step, tokens=tokens, seconds=round(elapsed, 2), loss=round(mean_loss, 5), lr=lr)
             running.zero_()
             running_steps = 0
             log.append(entry)
-            print(f"step {step}/{total or '?'} loss {entry['loss']:.4f} lr {lr:.2e} "
+            print(f"step {step}/{schedule.total or '?'} loss {entry['loss']:.4f} lr {lr:.2e} "
                   f"{tokens / elapsed / 1000:.0f}K tokens/s", flush=True)
+    if on_cuda:
+        torch.cuda.synchronize()
     train_seconds = time.perf_counter() - loop_start
 
     record = dict(config={k: v for k, v in asdict(config).items()}, num_parameters=num_params,
-                  device=str(device), torch=torch.__version__, workers=workers, steps=step,
+                  device=str(device), torch=torch.__version__, workers=workers,
+                  schedule=schedule.describe(), steps=step,
                   tokens=tokens, loss_tokens=loss_tokens, train_seconds=round(train_seconds, 1),
                   tokens_per_second=round(tokens / max(train_seconds, 1e-9)),
                   final_loss=log[-1]["loss"] if log else None, loss_curve=log)
