@@ -8,7 +8,7 @@
 #   sweep-budget        Zipage budget 1024/2048/4096 (block 256), at scale 1/2
 #   sweep-block         Zipage block 64/128 (budget 2048), at scale 1/2
 #   eager               each mode with and without CUDA graphs and fused kernels, medium scale
-#   train               train the synthetic-task model (MINUTES, default 9.2) into OUT/ledger-14m
+#   train               train the synthetic-task model (MINUTES, default 9.2; INIT: a checkpoint to start from)
 #   tp-test             tensor-parallel engine tests on two GPUs
 #   tp-bench            full and Zipage at TP (default 2), reasoning-8k at SCALE
 #   serve               online benchmark, MODE=full|zipage, Qwen3-8B shape, 12 GB KV cache
@@ -41,6 +41,7 @@ run() {
     sweep-block) bench --workload reasoning-8k --hf-requests 0 --modes zipage+block=64,zipage+block=128 ;;
     eager) SCALE=medium bench --hf-requests 0 --modes full,full+eager,zipage,zipage+eager ;;
     train) timeout "$LIMIT" python3 -m zipage.quality.train --out "$dir" --max-minutes "${MINUTES:-9.2}" \
+        --eval-reserve-s 45 ${INIT:+--init-from "$INIT"} \
         2>&1 | grep -v "it/s" ;;
     tp-test) ZIPAGE_TEST_DEVICE=cuda timeout "$LIMIT" python3 -m pytest -q -x -p no:cacheprovider \
         tests/test_tensor_parallel.py 2>&1 ;;
