@@ -287,3 +287,21 @@ def test_dense_causal_attention_matches_per_head_softmax():
             scores = (qs @ ks.T * scale).masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
             torch.testing.assert_close(out[start:start + n, h], scores.softmax(-1) @ vs)
         start += n
+
+
+@pytest.mark.parametrize("block_size,heads,kv_heads", [(16, 4, 2), (8, 6, 1), (32, 4, 4)])
+def test_cpu_decode_attention_matches_the_float64_twin(block_size, heads, kv_heads):
+    """The CPU backend's SDPA decode path against the reference twin in float64."""
+    from zipage.attention.torch_backend import paged_decode_attention_sdpa
+
+    gen = torch.Generator().manual_seed(block_size + heads)
+    batch, dim, num_blocks = 5, 16, 40
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    block_tables = torch.randperm(num_blocks, generator=gen)[:batch * 6].view(batch, 6).int()
+    context_lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 2, 6 * block_size]).int()
+    q = torch.randn(batch, heads, dim, generator=gen)
+    got = paged_decode_attention_sdpa(q, k_cache, v_cache, block_tables, context_lens, 0.3)
+    want = paged_decode_attention_torch(q.double(), k_cache.double(), v_cache.double(), block_tables,
+                                        context_lens, 0.3)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

@@ -88,9 +88,10 @@ def allocate_score_cache(spec, num_blocks: int, block_size: int, device) -> torc
 
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) -> torch.Tensor:
-    """One tensor for all layers; each attention layer gets views of its K and V."""
+    """One tensor for all layers; each attention layer gets views of its K and V. Zeroed, so that
+    slots never written hold finite values (the CPU decode path reads past contexts, masked)."""
     spec = model.local_spec
-    kv = torch.empty(2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+    kv = torch.zeros(2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
                      dtype=dtype, device=device)
     for i, layer in enumerate(model.attention_layers()):
         layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
