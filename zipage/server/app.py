@@ -145,19 +145,28 @@ class _Api:
         return {"id": response_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
 
-    async def _completion_events(self, body, response_id, generation):
-        base = {"id": response_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name}
+    def _completion_events(self, body, response_id, generation):
+        def choice(index, text, finish_reason):
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._events(body, response_id, "text_completion", generation, choice)
+
+    async def _events(self, body, response_id, kind, generation, choice, opening=None):
+        """Lists of stream events, one per batch the engine hands over: ``choice(index, text,
+        finish_reason)`` builds a choice of new text; ``opening(index)``, if given, a first one per
+        choice; a final usage event when asked."""
+        base = {"id": response_id, "object": kind, "created": int(time.time()), "model": self.model_name}
         usage = _StreamUsage(body, generation)
+        if opening is not None:
+            yield [dict(base, choices=[opening(index)], **usage.field())
+                   for index in range(len(generation.request_ids))]
         async for batch in generation.batches():
             events = []
             for index, output in batch:
                 out = output.outputs[0]
                 usage.completion_tokens += len(out.token_ids)
                 if out.text or output.finished or body.continuous_usage:
-                    choice = {"index": index, "text": out.text, "logprobs": None,
-                              "finish_reason": out.finish_reason if output.finished else None}
-                    events.append(dict(base, choices=[choice], **usage.field()))
+                    finish_reason = out.finish_reason if output.finished else None
+                    events.append(dict(base, choices=[choice(index, out.text, finish_reason)], **usage.field()))
             yield events
         if body.include_usage:
             yield [dict(base, choices=[], usage=usage.total())]
@@ -187,25 +196,15 @@ class _Api:
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
 
-    async def _chat_events(self, body, response_id, generation):
-        base = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.model_name}
-        usage = _StreamUsage(body, generation)
-        yield [dict(base, choices=[{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}], **usage.field())
-               for index in range(len(generation.request_ids))]
-        async for batch in generation.batches():
-            events = []
-            for index, output in batch:
-                out = output.outputs[0]
-                usage.completion_tokens += len(out.token_ids)
-                if out.text or output.finished or body.continuous_usage:
-                    choice = {"index": index, "delta": {"content": out.text} if out.text else {}, "logprobs": None,
-                              "finish_reason": out.finish_reason if output.finished else None}
-                    events.append(dict(base, choices=[choice], **usage.field()))
-            yield events
-        if body.include_usage:
-            yield [dict(base, choices=[], usage=usage.total())]
+    def _chat_events(self, body, response_id, generation):
+        def opening(index):
+            return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}
+
+        def choice(index, text, finish_reason):
+            return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+                    "finish_reason": finish_reason}
+        return self._events(body, response_id, "chat.completion.chunk", generation, choice, opening)
 
 
 class _StreamUsage:
