@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import replace
 
 import torch
 
@@ -47,7 +46,7 @@ class SimulatedRunner:
             max_blocks_per_seq)
         self.vocab_size = spec.vocab_size
         self.model = step_model
-        self.clock_ms = self.decode_ms = self.prefill_ms = 0.0
+        self.decode_ms = self.prefill_ms = 0.0  # the clock, by kind of step
         self.last_prepare_s = 0.0
 
     def execute(self, seqs, is_prefill: bool, eos_token_ids) -> list[int]:
@@ -59,7 +58,6 @@ class SimulatedRunner:
             cached = sum(seq.kv_len + 1 for seq in seqs)
             step = m["a"] + m["b"] * len(seqs) + m["c"] * cached / 1000
             self.decode_ms += step
-        self.clock_ms += step
         token = 1 if 1 not in eos_token_ids else 2
         return [token] * len(seqs)
 
@@ -79,18 +77,14 @@ class SimulatedRunner:
 
 def replay_mode(mode: str, args, settings: dict, model_dir: str, requests, cache_tokens: int,
                 step_model: dict) -> dict:
-    from zipage.bench.throughput import engine_kwargs
+    from zipage.bench.throughput import engine_kwargs, rank_spec
     from zipage.config import EngineConfig
     from zipage.engine.llm_engine import LLMEngine
-    from zipage.models.registry import spec_from_config
     from zipage.sampling_params import SamplingParams
-    from zipage.utils.loader import load_config
 
     kwargs, opts = engine_kwargs(mode, args, settings, model_dir, requests, cache_tokens, torch.bfloat16)
     config = EngineConfig.from_kwargs(model_dir, **dict(kwargs, device="cpu", load_format="auto"))
-    spec = spec_from_config(load_config(model_dir))
-    tp = args.tensor_parallel_size
-    spec = replace(spec, num_kv_heads=max(1, spec.num_kv_heads // tp))
+    spec = rank_spec(model_dir, args.tensor_parallel_size)
     runner = SimulatedRunner(config, spec, step_model)
     engine = LLMEngine(config, runner=runner)
     for i, r in enumerate(requests):
@@ -107,7 +101,7 @@ def replay_mode(mode: str, args, settings: dict, model_dir: str, requests, cache
     bm = engine.block_manager
     if bm.num_free_blocks != bm.num_blocks:
         raise RuntimeError(f"{mode}: {bm.num_blocks - bm.num_free_blocks} KV blocks were not returned")
-    seconds = runner.clock_ms / 1000
+    seconds = (runner.decode_ms + runner.prefill_ms) / 1000
     return dict(mode=mode, options=opts, requests=len(requests), output_tokens=outputs, model_s=seconds,
                 tokens_per_s=outputs / seconds, decode_steps=steps, mean_batch=batch_sum / max(steps, 1),
                 prefill_s=runner.prefill_ms / 1000, num_preemptions=preempted,

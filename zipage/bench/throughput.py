@@ -158,13 +158,17 @@ def engine_kwargs(mode: str, args, settings: dict, model_dir: str, requests, cac
                   enable_prefix_caching=opts["prefix_caching"], enforce_eager=opts["enforce_eager"],
                   seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     if not args.whole_gpu:
-        from zipage.models.registry import spec_from_config
-        from zipage.utils.loader import load_config
-        spec = spec_from_config(load_config(model_dir))
-        tp = args.tensor_parallel_size  # each rank holds its share of the KV heads (one when there are fewer)
-        spec = replace(spec, num_kv_heads=max(1, spec.num_kv_heads // tp))
+        spec = rank_spec(model_dir, args.tensor_parallel_size)
         kwargs["kv_cache_memory_bytes"] = cache_tokens * _kv_bytes_per_token(spec, dtype)
     return kwargs, opts
+
+
+def rank_spec(model_dir: str, tensor_parallel_size: int):
+    """The model's shape as one rank holds it: its share of the KV heads (one when there are fewer)."""
+    from zipage.models.registry import spec_from_config
+    from zipage.utils.loader import load_config
+    spec = spec_from_config(load_config(model_dir))
+    return replace(spec, num_kv_heads=max(1, spec.num_kv_heads // tensor_parallel_size))
 
 
 def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, requests, cache_tokens) -> dict:
