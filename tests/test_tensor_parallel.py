@@ -193,8 +193,8 @@ BLOCK = 16
 # ZIPAGE_TEST_DEVICE=cuda runs the engine checks on GPUs 0 and 1 (NCCL, CUDA graphs)
 ENGINE_DEVICE = os.environ.get("ZIPAGE_TEST_DEVICE", "cpu")
 # On GPUs each of the three engines compiles its fused kernels and captures its graphs in both
-# processes: over 150 s in all on an H200, so the bound is wider there.
-ENGINE_TIMEOUT_S = 180 if ENGINE_DEVICE == "cpu" else 480
+# processes, so the bound is wider there.
+ENGINE_TIMEOUT_S = 180 if ENGINE_DEVICE == "cpu" else 420
 # variant -> compression settings (None: full KV)
 ENGINE_VARIANTS = {
     "full-kv": None,
@@ -210,8 +210,9 @@ def _engine_tokens(model_dir: str, tensor_parallel_size: int, variant: str) -> l
     settings = ENGINE_VARIANTS[variant]
     compression = CompressionConfig(**settings) if settings else None
     prompts = [list(range(5, 45)), list(range(5, 45)) + [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
+    # max_num_seqs=4: three prompts, and few decode graphs to capture on a GPU
     with LLM(model_dir, device=ENGINE_DEVICE, dtype="float32", block_size=BLOCK, max_model_len=256,
-             kv_cache_memory_bytes=1 << 22, tensor_parallel_size=tensor_parallel_size,
+             kv_cache_memory_bytes=1 << 22, tensor_parallel_size=tensor_parallel_size, max_num_seqs=4,
              compression=compression) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True),
                                use_tqdm=False)
@@ -219,31 +220,57 @@ def _engine_tokens(model_dir: str, tensor_parallel_size: int, variant: str) -> l
     return [o.outputs[0].token_ids for o in outputs]
 
 
+# Rank 0's script. Progress goes to stderr with timings, and SIGUSR1 dumps every thread's
+# stack (followers register the same), so a run stopped at the bound shows where it stood.
 _TP_SCRIPT = """
-import json, sys
+import faulthandler, json, signal, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 sys.path.insert(0, {tests!r})
 from test_tensor_parallel import ENGINE_VARIANTS, _engine_tokens
-print("TOKENS " + json.dumps({{v: _engine_tokens({model_dir!r}, 2, v) for v in ENGINE_VARIANTS}}))
+tokens, start = {{}}, time.monotonic()
+for v in ENGINE_VARIANTS:
+    tokens[v] = _engine_tokens({model_dir!r}, 2, v)
+    print(f"variant {{v}} done after {{time.monotonic() - start:.1f}} s", file=sys.stderr, flush=True)
+print("TOKENS " + json.dumps(tokens))
 """
 
 
+def _run_bounded(argv: list[str], env: dict, timeout_s: float, log_path: str) -> tuple[int | None, str]:
+    """Run ``argv`` with its output in ``log_path``; at the bound, SIGUSR1 its whole process
+    group (stack dumps), then kill it. Returns (exit code or None on timeout, the output)."""
+    import signal
+    import subprocess
+
+    with open(log_path, "w+") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+            os.killpg(proc.pid, signal.SIGUSR1)
+            time.sleep(3)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.seek(0)
+        return code, log.read()
+
+
 @pytest.fixture(scope="module")
-def tp2_tokens(checkpoint_dir):
+def tp2_tokens(checkpoint_dir, tmp_path_factory):
     """Every variant's tokens with tensor_parallel_size=2, from one process (rank 0) and its follower."""
     import json
-    import subprocess
     import sys
 
     model_dir = checkpoint_dir("qwen3")
     script = _TP_SCRIPT.format(tests=os.path.dirname(__file__), model_dir=model_dir)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    try:
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                              timeout=ENGINE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the tensor-parallel engine did not finish within {ENGINE_TIMEOUT_S} s")
-    lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
-    assert done.returncode == 0 and lines, f"tensor-parallel run failed:\n{done.stderr[-4000:]}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log_path = str(tmp_path_factory.mktemp("tp-engine") / "output.txt")
+    code, output = _run_bounded([sys.executable, "-c", script], env, ENGINE_TIMEOUT_S, log_path)
+    if code is None:
+        pytest.fail(f"the tensor-parallel engine did not finish within {ENGINE_TIMEOUT_S} s; its output, "
+                    f"with every thread's stack at the bound:\n{output[-12000:]}")
+    lines = [line for line in output.splitlines() if line.startswith("TOKENS ")]
+    assert code == 0 and lines, f"tensor-parallel run failed (exit code {code}):\n{output[-6000:]}"
     return model_dir, json.loads(lines[-1][len("TOKENS "):])
 
 

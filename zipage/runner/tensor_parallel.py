@@ -17,7 +17,9 @@ collectives meet) and the same compressions:
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import socket
 import time
 import traceback
@@ -67,6 +69,8 @@ def _portable(tasks):
 def _follower_main(rank: int, config: EngineConfig, hf_config, port: int, conn) -> None:
     from zipage.runner.model_runner import ModelRunner
 
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints where this rank stands (a hang in a collective)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     conn.send(("started",))
     try:
         init_tensor_parallel(rank, config.tensor_parallel_size, _backend(config), f"tcp://127.0.0.1:{port}")
