@@ -184,3 +184,22 @@ def test_cli_generate(checkpoint_dir, capsys):
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [len(line["token_ids"]) for line in lines] == [5, 5]
     assert cli_main(["generate", "--model", "/nonexistent/dir", "--prompt", "x"]) == 2
+
+
+def test_detokenizer_passes_over_tokens_without_text(checkpoint_dir):
+    """Ids that decode to nothing (here: beyond the tokenizer's vocabulary) must not make the
+    decoded tail grow step after step; the text is still that of the whole output."""
+    from zipage.engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
+    from zipage.utils.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(checkpoint_dir("qwen3"))
+    words = tokenizer.encode(" hello world", add_special_tokens=False)
+    unknown = len(tokenizer) + 1000
+    assert tokenizer.decode([unknown]) == ""
+    detok = IncrementalDetokenizer(tokenizer, [], False, True)
+    ids = []
+    for token in [words[0]] + [unknown] * 50 + words[1:]:
+        ids.append(token)
+        detok.update(ids)
+        assert len(ids) - detok.prefix_offset <= CONTEXT_TOKENS + 1
+    assert detok.text == tokenizer.decode(ids) == " hello world"

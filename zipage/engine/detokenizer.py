@@ -3,10 +3,15 @@
 Decoding only the tail of the output each step keeps the cost per token
 constant. Text is released only once it cannot change: a byte-level token may end
 in the middle of a UTF-8 character, which decodes to U+FFFD until the next token
-completes it.
+completes it. Tokens that decode to nothing (special tokens skipped, ids the tokenizer
+does not know) are passed over too, keeping ``CONTEXT_TOKENS`` of them as context, so that
+a run of them does not make every step decode a longer and longer tail.
 """
 
 from __future__ import annotations
+
+
+CONTEXT_TOKENS = 4  # tokens kept as context when the offsets move past tokens without text
 
 
 class IncrementalDetokenizer:
@@ -27,6 +32,10 @@ class IncrementalDetokenizer:
         """Take in the output so far; return the stop string hit, if any."""
         prefix = self._decode(output_ids[self.prefix_offset:self.read_offset])
         full = self._decode(output_ids[self.prefix_offset:])
+        if full == prefix:  # the new tokens have no text: pass over them
+            self.read_offset = len(output_ids)
+            self.prefix_offset = max(self.prefix_offset, self.read_offset - CONTEXT_TOKENS)
+            return None
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None  # nothing new, or an unfinished character
         delta = full[len(prefix):]
