@@ -38,3 +38,16 @@ def test_serving_benchmark_against_a_running_server(tmp_path, checkpoint_dir):
         code = cli_main(["bench", "serve", "--url", server.url, "--api-key", "k", "--out", str(tmp_path), *SMALL])
     assert code == 0
     assert check_result(tmp_path / "serving.json")["model"] == "tiny"
+
+
+def test_serving_benchmark_with_a_simulated_gpu_step(tmp_path):
+    code = cli_main(["bench", "serve", "--shape", "tiny", "--simulated-step", "--step-model", "2,0,0,1,0",
+                     "--switch-interval", "0.00123", "--block-size", "16", "--max-model-len", "128",
+                     "--max-num-seqs", "4", "--out", str(tmp_path), *SMALL])
+    assert code == 0
+    result = check_result(tmp_path / "serving.json")
+    server = result["settings"]["server"]
+    assert server["simulated_step"]["a"] == 2.0 and server["switch_interval"] == 0.00123
+    for row in result["rates"]:
+        assert row["engine_steps"] > 0 and row["engine_steps_per_s"] > 0
+        assert row["modelled_ms_per_step"] > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import httpx
@@ -408,15 +409,20 @@ def test_serve_command_builds_the_server(model_dir, monkeypatch):
     def fake_run(app, host, port, **kwargs):  # serve on a free port instead, and query it
         seen.update(host=host, port=port)
         with ServerThread(app) as server:
+            seen["switch_interval"] = sys.getswitchinterval()
             seen["no_key"] = httpx.get(server.url + "/v1/models", timeout=TIMEOUT).status_code
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="env-key", max_retries=0, timeout=TIMEOUT)
             seen["models"] = [m.id for m in client.models.list().data]
             seen["text"] = client.completions.create(model="served", prompt="hi", max_tokens=3).choices[0].text
 
     monkeypatch.setattr(uvicorn, "run", fake_run)
+    before = sys.getswitchinterval()
     code = cli_main(["serve", model_dir, "--port", "8123", "--served-model-name", "served", "--device", "cpu",
-                     "--block-size", "16", "--max-model-len", "128", "--max-num-seqs", "4"])
+                     "--block-size", "16", "--max-model-len", "128", "--max-num-seqs", "4",
+                     "--switch-interval", "0.00123"])
     assert code == 0
+    assert seen["switch_interval"] == pytest.approx(0.00123) and sys.getswitchinterval() == before
     assert seen["host"] == "127.0.0.1" and seen["port"] == 8123
     assert seen["no_key"] == 401 and seen["models"] == ["served"] and isinstance(seen["text"], str)
     assert cli_main(["serve", model_dir, "--max-queued-requests", "-1"]) == 2
+    assert cli_main(["serve", model_dir, "--switch-interval", "0"]) == 2

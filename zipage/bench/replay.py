@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import time
 
 import torch
 
@@ -28,14 +30,24 @@ from zipage.bench.common import print_table
 
 # ms: decode = a + b * requests + c * (cached tokens / 1000); prefill = p0 + p1 * tokens
 H200_QWEN3_8B = dict(a=6.47, b=0.0164, c=0.0348, p0=2.0, p1=0.0354)
+# Torch calls of a GPU decode step, each of which lets go of the GIL for a moment: the input
+# copies, the graph's buffer copies and replay, the sampler's kernels.
+LAUNCHES_PER_STEP = 24
 
 
 class SimulatedRunner:
-    """The runner interface of ``LLMEngine`` with a clock instead of a GPU."""
+    """The runner interface of ``LLMEngine`` with a clock instead of a GPU.
+
+    With ``sleep`` a step also takes its modelled time, as a GPU step does to a Python
+    thread: ``LAUNCHES_PER_STEP`` brief releases of the GIL (kernel launches and copies),
+    then a wait for the "device" with the GIL released (``.tolist()``), and its tokens are
+    random ids, as a model with random weights samples. That reproduces on a CPU how a GPU
+    engine shares the interpreter with other threads (the server's event loop).
+    """
 
     trace = None
 
-    def __init__(self, config, spec, step_model: dict):
+    def __init__(self, config, spec, step_model: dict, sleep: bool = False):
         from zipage.runner.kv_cache import plan_cache
 
         sched, cache = config.scheduler, config.cache
@@ -46,6 +58,8 @@ class SimulatedRunner:
             max_blocks_per_seq)
         self.vocab_size = spec.vocab_size
         self.model = step_model
+        self.sleep = sleep
+        self._rng = random.Random(0)
         self.decode_ms = self.prefill_ms = 0.0  # the clock, by kind of step
         self.last_prepare_s = 0.0
 
@@ -58,6 +72,12 @@ class SimulatedRunner:
             cached = sum(seq.kv_len + 1 for seq in seqs)
             step = m["a"] + m["b"] * len(seqs) + m["c"] * cached / 1000
             self.decode_ms += step
+        if self.sleep:
+            _wait_like_a_device(step / 1000)
+            # Random weights' tokens: any id of the vocabulary (a named shape's small tokenizer
+            # knows few of them), none an EOS.
+            return [t if t not in eos_token_ids else 2 for t in
+                    (self._rng.randrange(self.vocab_size) for _ in seqs)]
         token = 1 if 1 not in eos_token_ids else 2
         return [token] * len(seqs)
 
@@ -73,6 +93,17 @@ class SimulatedRunner:
 
     def close(self) -> None:
         pass
+
+
+def _wait_like_a_device(seconds: float) -> None:
+    """A GPU step as its Python thread lives it: launches, then a blocking read of the result."""
+    half = LAUNCHES_PER_STEP // 2
+    for _ in range(half):  # the input copies (time.sleep releases the GIL, even for 0 s)
+        time.sleep(0)
+    done = time.perf_counter() + seconds  # the forward starts
+    for _ in range(LAUNCHES_PER_STEP - half):  # the sampler's kernels, queued behind it
+        time.sleep(0)
+    time.sleep(max(0.0, done - time.perf_counter()))  # .tolist(): wait for the device
 
 
 def replay_mode(mode: str, args, settings: dict, model_dir: str, requests, cache_tokens: int,

@@ -14,6 +14,11 @@ The clients run in a child process: parsing every chunk of 48 streams in the ser
 process took that much of the interpreter from the engine thread (they share the GIL)
 that the engine stepped at half its pace. With the server here, each rate also reports
 the engine's steps per second, to compare with its offline step time.
+
+``--simulated-step`` serves no model: each engine step takes the time of a step model
+(``--step-model``, by default the H200 Qwen3-8B fit of ``bench replay``) the way a GPU
+step does, mostly with the GIL released. It shows on a CPU what the server costs a GPU
+engine; each rate then also reports the modelled milliseconds per step.
 """
 
 from __future__ import annotations
@@ -43,6 +48,14 @@ def add_serving_parser(sub) -> None:
     target.add_argument("--arch", default="qwen3")
     target.add_argument("--stream-interval", type=float, default=None,
                         help="the server's seconds between a stream's chunks (default: zipage serve's)")
+    target.add_argument("--switch-interval", type=float, default=None,
+                        help="the server's Python switch interval in seconds (default: zipage serve's)")
+    target.add_argument("--simulated-step", action="store_true",
+                        help="no model: each engine step sleeps for --step-model's time (GIL released, as "
+                             "a GPU step waits for the device)")
+    target.add_argument("--step-model", default=None,
+                        help="with --simulated-step: a,b,c,p0,p1 in ms as for bench replay (default: the "
+                             "H200 Qwen3-8B fit)")
     w = p.add_argument_group("workload")
     w.add_argument("--rates", default="1,4,16,inf", help="requests per second, comma-separated (inf: burst)")
     w.add_argument("--num-requests", type=int, default=64, help="per rate")
@@ -153,6 +166,10 @@ def run_serving_bench(args: argparse.Namespace) -> int:
     rates = _rates(args.rates)
     if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--num-requests, --input-len and --output-len must be >= 1")
+    if args.url and (args.simulated_step or args.switch_interval is not None):
+        raise ValueError("--simulated-step and --switch-interval are for a server started here, not --url")
+    if args.step_model is not None and not args.simulated_step:
+        raise ValueError("--step-model needs --simulated-step")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     server = clients = None
     settings = {k: getattr(args, k) for k in ("num_requests", "input_len", "output_len", "temperature",
@@ -173,10 +190,13 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         rows = []
         for rate in rates:
             steps = server.engine.stats.num_steps if server is not None else None
+            modelled = _modelled_ms(server)
             row = clients.submit(_run_rate_sync, base_url, model, rate, workload, vocab_size, headers).result()
             if server is not None:
                 row["engine_steps"] = server.engine.stats.num_steps - steps
                 row["engine_steps_per_s"] = row["engine_steps"] / row["duration_s"]
+            if modelled is not None:
+                row["modelled_ms_per_step"] = (_modelled_ms(server) - modelled) / max(row["engine_steps"], 1)
             rows.append(row)
             print(f"rate {row['rate']}: {row['completed']}/{row['num_requests']} done, "
                   f"{row['requests_per_s']:.2f} req/s, TTFT p50 {_ms(row['ttft_s']['p50'])}, "
@@ -190,9 +210,10 @@ def run_serving_bench(args: argparse.Namespace) -> int:
     print_table([{"rate": r["rate"], "req/s": r["requests_per_s"], "tok/s": r["output_tokens_per_s"],
                   "ttft_p50_ms": _ms_value(r["ttft_s"]["p50"]), "ttft_p99_ms": _ms_value(r["ttft_s"]["p99"]),
                   "itl_p50_ms": _ms_value(r["itl_s"]["p50"]), "itl_p99_ms": _ms_value(r["itl_s"]["p99"]),
-                  "steps/s": r.get("engine_steps_per_s"), "failed": r["failed"]} for r in rows],
+                  "steps/s": r.get("engine_steps_per_s"), "model_ms/step": r.get("modelled_ms_per_step"),
+                  "failed": r["failed"]} for r in rows],
                 ["rate", "req/s", "tok/s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "steps/s",
-                 "failed"])
+                 "model_ms/step", "failed"])
     if args.out:
         import os
         write_json(os.path.join(args.out, "serving.json"), result)
@@ -201,7 +222,6 @@ def run_serving_bench(args: argparse.Namespace) -> int:
 
 def _start_server(args):
     """Build the engine and serve it on a free loopback port of this process."""
-    from zipage import LLM
     from zipage.cli import engine_kwargs
     from zipage.server.app import create_app
     from zipage.server.background import ServerThread
@@ -210,15 +230,45 @@ def _start_server(args):
     kwargs = engine_kwargs(args)
     if load_format == "dummy":
         kwargs["load_format"] = "dummy"
-    llm = LLM(model_dir, **kwargs)
-    interval = {} if args.stream_interval is None else {"stream_interval": args.stream_interval}
-    app = create_app(llm.engine, "bench", api_key=args.api_key, max_queued_requests=10**6, **interval)
-    vocab_size = args.vocab_size or llm.engine.vocab_size
+    engine = _simulated_engine(model_dir, kwargs, args) if args.simulated_step else _engine(model_dir, kwargs)
+    options = {k: getattr(args, k) for k in ("stream_interval", "switch_interval") if getattr(args, k) is not None}
+    app = create_app(engine, "bench", api_key=args.api_key, max_queued_requests=10**6, **options)
+    vocab_size = args.vocab_size or engine.vocab_size
     described = {k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for k, v in kwargs.items()}
     server = ServerThread(app)
-    server.engine = llm.engine
-    return server, vocab_size, {"in_process": args.model or args.shape, "device": str(llm.config.device),
-                                "engine": described, "stream_interval": app.state.engine.stream_interval}
+    server.engine = engine
+    described_server = {"in_process": args.model or args.shape, "device": str(engine.config.device),
+                        "engine": described, "stream_interval": app.state.engine.stream_interval,
+                        "switch_interval": app.state.engine.switch_interval}
+    if args.simulated_step:
+        described_server["simulated_step"] = engine.runner.model
+    return server, vocab_size, described_server
+
+
+def _engine(model_dir: str, kwargs: dict):
+    from zipage import LLM
+    return LLM(model_dir, **kwargs).engine
+
+
+def _simulated_engine(model_dir: str, kwargs: dict, args):
+    """An engine whose runner sleeps for a step model's time instead of running the model."""
+    from zipage.bench.replay import SimulatedRunner, parse_step_model
+    from zipage.bench.throughput import rank_spec
+    from zipage.config import EngineConfig
+    from zipage.engine.llm_engine import LLMEngine
+
+    config = EngineConfig.from_kwargs(model_dir, **dict(kwargs, device="cpu", load_format="auto"))
+    runner = SimulatedRunner(config, rank_spec(model_dir, args.tensor_parallel_size),
+                             parse_step_model(args.step_model), sleep=True)
+    return LLMEngine(config, runner=runner)
+
+
+def _modelled_ms(server) -> float | None:
+    """The simulated runner's clock, if the server here has one."""
+    runner = getattr(getattr(server, "engine", None), "runner", None)
+    if getattr(runner, "sleep", False):
+        return runner.decode_ms + runner.prefill_ms
+    return None
 
 
 def _ms_value(seconds):

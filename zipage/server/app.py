@@ -23,16 +23,19 @@ logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # the hint sent with 503 when the queue is full
 STREAM_INTERVAL_S = 0.02  # streamed tokens are sent in chunks at most this often (see AsyncEngine)
+SWITCH_INTERVAL_S = None  # the interpreter's switch interval while serving (see AsyncEngine)
 
 
 def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
-               max_queued_requests: int = 1024, stream_interval: float = STREAM_INTERVAL_S) -> FastAPI:
+               max_queued_requests: int = 1024, stream_interval: float = STREAM_INTERVAL_S,
+               switch_interval: float | None = SWITCH_INTERVAL_S) -> FastAPI:
     """An app serving ``engine`` as model ``model_name``; the engine thread runs while the app does.
 
     Streams get their tokens at most every ``stream_interval`` seconds (first tokens and ends
-    at once); see ``AsyncEngine``.
+    at once); the interpreter's switch interval is ``switch_interval`` while the app runs;
+    see ``AsyncEngine``.
     """
-    async_engine = AsyncEngine(engine, ServerMetrics(), max_queued_requests, stream_interval)
+    async_engine = AsyncEngine(engine, ServerMetrics(), max_queued_requests, stream_interval, switch_interval)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

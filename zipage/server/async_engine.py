@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import threading
 import time
 from typing import Callable
@@ -102,14 +103,23 @@ class AsyncEngine:
     The loop and the engine thread share the GIL, and the loop spends about 30 us of it per
     chunk (asyncio, Starlette, h11, the socket): at 48 streams, a chunk per step slowed a
     CPU engine's steps by about a quarter; 20 ms chunks cost a few per cent.
+
+    ``switch_interval`` (seconds, None: leave it) is set as the interpreter's switch interval
+    (``sys.setswitchinterval``) while the engine thread runs, and restored by ``stop``: a
+    thread that wants the GIL back waits up to that long for the holder to let go. On a
+    CPU reproduction of a GPU step, 0.1 ms did not step the engine faster than Python's
+    5 ms (docs/benchmarks.md); the option is there to check that on a GPU.
     """
 
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
-                 max_queued_requests: int = 1024, stream_interval: float = 0.0):
+                 max_queued_requests: int = 1024, stream_interval: float = 0.0,
+                 switch_interval: float | None = None):
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         if not stream_interval >= 0:
             raise ValueError(f"stream_interval must be >= 0, got {stream_interval}")
+        if switch_interval is not None and not switch_interval > 0:
+            raise ValueError(f"switch_interval must be > 0, got {switch_interval}")
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
         self.max_queued_requests = max_queued_requests
@@ -122,6 +132,8 @@ class AsyncEngine:
         self._held: list[RequestOutput] = []  # engine thread: outputs not yet handed to the loop
         self._last_delivery = 0.0
         self.stream_interval = stream_interval
+        self.switch_interval = switch_interval
+        self._saved_switch_interval: float | None = None
         self._timing: dict[str, list] = {}  # engine thread: request id -> [arrival, last token time]
         self._generations: dict[str, Generation] = {}  # event loop: request id -> its API call
         self.num_running = 0  # published by the engine thread after every step
@@ -132,6 +144,9 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will await the results."""
         self._loop = asyncio.get_running_loop()
+        if self.switch_interval is not None:
+            self._saved_switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_interval)
         self._thread = threading.Thread(target=self._run, name="zipage-engine", daemon=True)
         self._thread.start()
 
@@ -142,6 +157,9 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
         self._fail_all(EngineFailed("the server is shutting down"))
+        if self._saved_switch_interval is not None:
+            sys.setswitchinterval(self._saved_switch_interval)
+            self._saved_switch_interval = None
 
     @property
     def alive(self) -> bool:

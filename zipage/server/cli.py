@@ -24,6 +24,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--stream-interval", type=float, default=None,
                    help="seconds between the chunks of a stream (first tokens and ends go at once; "
                         "default 0.02): fewer chunks leave more of the interpreter to the engine")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="the interpreter's thread switch interval in seconds while serving (sys.setswitchinterval; "
+                        "default: Python's 0.005): how long the engine thread may wait for the GIL held by the "
+                        "event loop")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=run_serve)
@@ -45,10 +49,13 @@ def build_app(args: argparse.Namespace):
     stream_interval = STREAM_INTERVAL_S if args.stream_interval is None else args.stream_interval
     if not stream_interval >= 0:
         raise ValueError(f"--stream-interval must be >= 0, got {args.stream_interval}")
+    if args.switch_interval is not None and not args.switch_interval > 0:
+        raise ValueError(f"--switch-interval must be > 0, got {args.switch_interval}")
     llm = LLM(args.model, **engine_kwargs(args))
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     return create_app(llm.engine, served_model_name(args), api_key=api_key,
-                      max_queued_requests=args.max_queued_requests, stream_interval=stream_interval)
+                      max_queued_requests=args.max_queued_requests, stream_interval=stream_interval,
+                      switch_interval=args.switch_interval)
 
 
 def run_serve(args: argparse.Namespace) -> int:
