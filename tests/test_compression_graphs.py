@@ -32,7 +32,7 @@ def _tasks(count: int, seed: int) -> list[CompressionTask]:
         tasks.append(CompressionTask(
             seq=SimpleNamespace(query_slot=i), source_blocks=sources, target_blocks=targets, num_tokens=N * BS,
             keep=(N - 1) * BS, num_previous=[0, 5, (N - 1) * BS][i % 3], last_position=100 + 7 * i,
-            pool=i % 3 == 0, pending_release=[]))
+            pool=i % 3 == 0, protected=[0, 3, 20][i % 3], pending_release=[]))
     return tasks
 
 

@@ -174,7 +174,8 @@ def test_combine_and_protect(attention_weight):
         want = ref.combine_scores(pooled, red, attention_weight)
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-7)
         assert got.data_ptr() != pooled.data_ptr()
-    for window, sink in ((1, 0), (3, 0), (3, 2), (1, 5)):
+    # a count for all requests, or one per request (keep_prompt protects each request's prompt)
+    for window, sink in ((1, 0), (3, 0), (3, 2), (1, 5), (2, torch.tensor([0, 4, 7])), (1, torch.tensor([6, 0, 2]))):
         got = policy.protect(pooled, lengths, window, sink)
         want = ref.protect(pooled, lengths, window, sink)
         assert torch.equal(got.double(), want), (window, sink)
@@ -461,3 +462,16 @@ def test_protect_then_select_properties(problem):
             mask[chosen] = True
             if (~mask).any():  # a true top-k
                 assert row[mask].min() >= row[~mask].max()
+
+def test_keep_prompt_protects_the_prompt_up_to_half_the_budget():
+    config = CompressionConfig(kv_budget_tokens=64, window=8, keep_prompt=True)
+    config.resolve(16)
+    assert [config.protected_tokens(n) for n in (0, 5, 32, 33, 500)] == [0, 5, 32, 32, 32]
+    small = CompressionConfig(kv_budget_tokens=16, window=16, keep_prompt=True, attention_sink=0)
+    small.resolve(16)  # half the budget would leave no room for the window
+    assert small.protected_tokens(100) == 0
+    plain = CompressionConfig(kv_budget_tokens=64, attention_sink=3)
+    plain.resolve(16)
+    assert plain.protected_tokens(40) == 3
+    with pytest.raises(ValueError, match="keep_prompt must be a bool, got 1"):
+        CompressionConfig(keep_prompt=1)

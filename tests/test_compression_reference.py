@@ -32,7 +32,8 @@ def _rotate_half(x):
 class ReferenceCompressedDecoder:
     """One request, one token at a time, with per-(layer, KV head) caches and float64 scoring."""
 
-    def __init__(self, model_dir: str, config: CompressionConfig):
+    def __init__(self, model_dir: str, config: CompressionConfig, prompt_len: int):
+        self.protected = config.protected_tokens(prompt_len)
         self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
         c = self.hf.config
         self.config = config
@@ -92,7 +93,7 @@ class ReferenceCompressedDecoder:
         lengths = torch.tensor([n])
         kept, history, combined = reference.score_tokens_with_scores(
             queries, keys, lengths, self.scores[None], torch.tensor([self.num_previous]), cfg,
-            self.head_dim ** -0.5, keep, BLOCK, pool=self.num_compressions == 0)
+            self.head_dim ** -0.5, keep, BLOCK, pool=self.num_compressions == 0, sinks=[self.protected])
         self.last_combined = combined[0]
         kept = kept[0]  # [L, H, keep]
         for i in range(self.num_layers):
@@ -105,10 +106,12 @@ class ReferenceCompressedDecoder:
         self.num_compressions += 1
 
 
-@pytest.mark.parametrize("arch, redundancy", [("qwen3", "lightning"), ("llama", "raw"), ("qwen2", "off")])
-def test_engine_matches_reference_simulation(checkpoint_dir, arch, redundancy):
+@pytest.mark.parametrize("arch, redundancy, keep_prompt", [
+    ("qwen3", "lightning", False), ("llama", "raw", False), ("qwen2", "off", False), ("qwen3", "lightning", True)])
+def test_engine_matches_reference_simulation(checkpoint_dir, arch, redundancy, keep_prompt):
     model_dir = checkpoint_dir(arch)
     config = CompressionConfig(max_blocks_per_seq=4, window=8, redundancy=redundancy, attention_sink=2,
+                               keep_prompt=keep_prompt,
                                asynchronous=False)  # a compressed request decodes in the same step
     # eager: the logits are captured from compute_logits, which a CUDA graph replay bypasses
     llm = make_llm(model_dir, block_size=BLOCK, compression=config, enforce_eager=True)
@@ -123,7 +126,8 @@ def test_engine_matches_reference_simulation(checkpoint_dir, arch, redundancy):
     prompt = [rng.randrange(3, engine.vocab_size) for _ in range(21)]
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=110, ignore_eos=True), request_id="r")
     seq = engine._requests["r"]
-    ref = ReferenceCompressedDecoder(model_dir, resolved)
+    ref = ReferenceCompressedDecoder(model_dir, resolved, len(prompt))
+    assert ref.protected == (min(len(prompt), resolved.kv_budget_tokens // 2) if keep_prompt else 2)
     for position, token in enumerate(prompt[:-1]):
         ref.step(token, position)
 

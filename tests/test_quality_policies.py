@@ -156,7 +156,7 @@ def test_engine_matches_reference_simulation(checkpoint_dir, name):
     prompt = _prompt(5, 21, engine.vocab_size)
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), request_id="r")
     seq = engine._requests["r"]
-    decoder = ReferenceCompressedDecoder(model_dir, llm.config.compression)
+    decoder = ReferenceCompressedDecoder(model_dir, llm.config.compression, len(prompt))
     for position, token in enumerate(prompt[:-1]):
         decoder.step(token, position)
     tokens = list(prompt)

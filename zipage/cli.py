@@ -28,6 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="compress: keep this many tokens per layer and KV head (multiple of --block-size)")
     c.add_argument("--compression-window", type=int, default=16)
     c.add_argument("--redundancy", default="lightning", choices=["lightning", "raw", "off"])
+    c.add_argument("--keep-prompt", action="store_true",
+                   help="never evict a request's prompt tokens (up to half the budget)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -35,7 +37,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     compression = None
     if args.kv_budget_tokens is not None:
         compression = CompressionConfig(kv_budget_tokens=args.kv_budget_tokens, window=args.compression_window,
-                                        redundancy=args.redundancy)
+                                        redundancy=args.redundancy, keep_prompt=args.keep_prompt)
     return dict(compression=compression, device=args.device, dtype=args.dtype, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,

@@ -106,6 +106,7 @@ class CompressionConfig:
     pooling_width: int | None = 5  # p, odd; None turns pooling off
     pool_every_compression: bool = False  # published: pool only at a request's first compression
     attention_sink: int = 0  # leading tokens always kept
+    keep_prompt: bool = False  # also keep each request's prompt, up to half the budget (see protected_tokens)
     layer_group: int = 8  # layers scored and compacted together
     max_blocks_per_compression: int = 600  # caps one compression batch (scratch memory)
     asynchronous: bool = True  # compress on a side CUDA stream while the others decode (see docs/compression.md)
@@ -138,6 +139,7 @@ class CompressionConfig:
                f"pooling_width must be an odd integer >= 1 or None, got {self.pooling_width!r}")
         _check(_is_int(self.attention_sink) and self.attention_sink >= 0,
                f"attention_sink must be an integer >= 0, got {self.attention_sink!r}")
+        _check(isinstance(self.keep_prompt, bool), f"keep_prompt must be a bool, got {self.keep_prompt!r}")
         _check(_is_int(self.layer_group) and self.layer_group >= 1,
                f"layer_group must be an integer >= 1, got {self.layer_group!r}")
         _check(_is_int(self.max_blocks_per_compression) and self.max_blocks_per_compression >= 1,
@@ -170,6 +172,18 @@ class CompressionConfig:
         _check(self.max_blocks_per_compression >= self.max_blocks_per_seq,
                f"max_blocks_per_compression={self.max_blocks_per_compression} must hold one request's "
                f"{self.max_blocks_per_seq} blocks")
+
+    def protected_tokens(self, num_prompt_tokens: int) -> int:
+        """Leading tokens a compression of a request with this prompt always keeps.
+
+        The attention sink; with ``keep_prompt``, at least the prompt (the question, which a
+        reasoning trace may need again at any step), capped at half the budget and below
+        the window so that a long prompt is still compressed and decoding keeps room.
+        """
+        if not self.keep_prompt:
+            return self.attention_sink
+        cap = min(self.kv_budget_tokens // 2, self.kv_budget_tokens - self.window)
+        return max(self.attention_sink, min(num_prompt_tokens, cap))
 
     def slotless_limit(self, block_size: int) -> int:
         """A request without a query slot may cache tokens only below this index: the

@@ -29,6 +29,7 @@ class BatchInputs:
     lengths: torch.Tensor  # int64 [R] cached tokens before compaction
     num_previous: torch.Tensor  # int64 [R] leading tokens with a history score
     pool: torch.Tensor  # bool [R] max-pool this request's scores
+    sinks: torch.Tensor  # int64 [R] leading tokens always kept (attention sink, or the prompt)
     rows: torch.Tensor  # int64 [R, window] query-cache rows of the window, oldest first
     keep: int  # tokens kept per (layer, KV head)
     n_max: int  # W * block_size
@@ -40,7 +41,8 @@ class BatchInputs:
                     use_history: bool, any_pool: bool) -> "BatchInputs":
         """Views of the packed arrays of ``Compressor.host_inputs`` (on the device)."""
         return cls(sources=tables[:, :width], targets=tables[:, width:], lengths=numbers[:, 0],
-                   num_previous=numbers[:, 1], pool=numbers[:, 2] != 0, rows=numbers[:, 3:], keep=keep,
+                   num_previous=numbers[:, 1], pool=numbers[:, 2] != 0, sinks=numbers[:, 3], rows=numbers[:, 4:],
+                   keep=keep,
                    n_max=width * block_size, use_history=use_history, any_pool=any_pool)
 
 
@@ -109,17 +111,18 @@ class Compressor:
 
     def host_inputs(self, tasks: list[CompressionTask], width: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch's numbers on the host, padded to ``rows`` requests (repeating the last) and ``width``
-        blocks: int32 [rows, width + T] block tables (sources, then targets) and int64 [rows, 3 + window]
-        (tokens, tokens with a history score, pool, then the window's query-cache rows)."""
+        blocks: int32 [rows, width + T] block tables (sources, then targets) and int64 [rows, 4 + window]
+        (tokens, tokens with a history score, pool, protected leading tokens, then the window's
+        query-cache rows)."""
         window = self.config.window
         padded = tasks + [tasks[-1]] * (rows - len(tasks))
         tables = torch.zeros(rows, width + len(tasks[0].target_blocks), dtype=torch.int32)
-        numbers = torch.empty(rows, 3 + window, dtype=torch.int64)
+        numbers = torch.empty(rows, 4 + window, dtype=torch.int64)
         for i, t in enumerate(padded):
             tables[i, :len(t.source_blocks)] = torch.tensor(t.source_blocks, dtype=torch.int32)
             tables[i, width:] = torch.tensor(t.target_blocks, dtype=torch.int32)
             # Window rows, oldest first: the query of absolute position p sits in ring row p % window.
-            numbers[i] = torch.tensor([t.num_tokens, t.num_previous, t.pool] + [
+            numbers[i] = torch.tensor([t.num_tokens, t.num_previous, t.pool, t.protected] + [
                 t.seq.query_slot * window + (t.last_position - window + 1 + j) % window for j in range(window)])
         if self.kv_cache.is_cuda:  # pinned: the copies below do not wait for the device
             tables, numbers = tables.pin_memory(), numbers.pin_memory()
@@ -151,7 +154,7 @@ class Compressor:
                 shape = (lengths, kv_group.shape[1], kv_group.shape[4], n_max)
                 scores = (policy.position_scores(*shape) if cfg.policy == "recency"
                           else policy.random_scores(*shape, generator=self._generator))
-                kept = policy.choose_by_scores(scores, lengths, cfg, keep)
+                kept = policy.choose_by_scores(scores, lengths, cfg, keep, b.sinks)
                 self._mark("history and top-k")
                 self._compact(kv_group, None, kept, None, sources, targets)
                 self._mark("compaction")
@@ -173,7 +176,7 @@ class Compressor:
                 previous = self._gather_keys(self.score_cache[layers].unsqueeze(-1), sources, num_previous,
                                              n_max).squeeze(-1)
             kept, history = policy.choose_tokens(attention, redundancy, lengths, previous, num_previous,
-                                                 history_config, keep, pool)
+                                                 history_config, keep, pool, b.sinks)
             new_scores = history.gather(-1, kept) if self.score_cache is not None else None
             self._mark("history and top-k")
             score_group = self.score_cache[layers] if self.score_cache is not None else None

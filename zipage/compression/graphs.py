@@ -41,7 +41,7 @@ class CompressionGraphs:
         device = compressor.kv_cache.device
         n, window = self.buckets[-1], cfg.window
         self.tables = torch.zeros(n, 2 * self.width - 1, dtype=torch.int32, device=device)
-        self.numbers = torch.zeros(n, 3 + window, dtype=torch.int64, device=device)
+        self.numbers = torch.zeros(n, 4 + window, dtype=torch.int64, device=device)
         self.numbers[:, 0] = self.num_tokens  # for the warm-up and capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 

@@ -27,6 +27,7 @@ class CompressionTask:
     num_previous: int  # leading tokens that carry a history score from the last compression
     last_position: int  # absolute position of the newest cached token (ends the window)
     pool: bool  # max-pool the score at this compression
+    protected: int  # leading cached tokens always kept (attention sink, or the prompt with keep_prompt)
     pending_release: list[int]  # source blocks to release once an asynchronous compaction is done
 
 
@@ -48,7 +49,8 @@ def plan_compression(seq: Sequence, bm: BlockManager, config: CompressionConfig,
         num_previous=seq.num_scored_tokens,
         last_position=seq.num_tokens - 2,  # the newest token (last sampled) is not cached yet
         pool=config.pooling_width is not None and (seq.metrics.num_compressions == 0
-                                                   or config.pool_every_compression))
+                                                   or config.pool_every_compression),
+        protected=config.protected_tokens(seq.num_prompt_tokens))
     seq.kv_len = keep
     seq.num_scored_tokens = keep
     seq.metrics.num_compressions += 1

@@ -184,8 +184,11 @@ def combine_scores(pooled: Tensor, redundancy: Tensor | None, attention_weight: 
     return attention_weight * pooled.to(_F32) - (1.0 - attention_weight) * redundancy.to(_F32)
 
 
-def protect(scores: Tensor, lengths: Tensor, window: int, sink: int) -> Tensor:
+def protect(scores: Tensor, lengths: Tensor, window: int, sink: int | Tensor) -> Tensor:
     """+inf for the last ``window`` tokens and the first ``sink`` tokens, -inf at padding.
+
+    ``sink`` is one count for every request or an int64 tensor [R] of counts per request
+    (``CompressionConfig.keep_prompt`` protects each request's own prompt).
 
     Other valid scores are clamped to the finite float32 range (NaN to the lowest), so a
     protected token always outranks an unprotected one and padding never outranks either.
@@ -195,6 +198,8 @@ def protect(scores: Tensor, lengths: Tensor, window: int, sink: int) -> Tensor:
     lengths = lengths.to(device=device, dtype=torch.int64).view(R, 1, 1, 1)
     j = torch.arange(n, device=device)
     out = torch.nan_to_num(scores.to(_F32), nan=_LOWEST, posinf=_HIGHEST, neginf=_LOWEST)
+    if isinstance(sink, Tensor):
+        sink = sink.to(device=device, dtype=torch.int64).view(R, 1, 1, 1)
     out.masked_fill_((j >= lengths - window) | (j < sink), float("inf"))
     return out.masked_fill_(j >= lengths, float("-inf"))
 
@@ -210,13 +215,14 @@ def select_kept(scores: Tensor, keep: int) -> Tensor:
 
 
 def choose_tokens(attention: Tensor, redundancy: Tensor | None, lengths: Tensor, previous: Tensor | None,
-                  num_previous: Tensor, config, keep: int, pool) -> tuple[Tensor, Tensor]:
+                  num_previous: Tensor, config, keep: int, pool, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Steps 2, 3, 5, 6 and 7 of the pipeline, from the attention and redundancy scores.
 
     Returns (kept indices int64 [R, L, H, keep], ascending; global score G float32
     [R, L, H, n_max]). G is the history score before pooling, the value stored with each
     token. ``pool`` is a bool, or a bool tensor [R] to pool some requests only (a
-    tensor is used as it is, without reading it back from the device).
+    tensor is used as it is, without reading it back from the device). ``sinks`` (int64 [R]):
+    leading tokens kept per request; default ``config.attention_sink`` for all.
     """
     history = update_global_scores(attention, previous, num_previous, config.global_score_decay)
     pooled = history
@@ -225,7 +231,7 @@ def choose_tokens(attention: Tensor, redundancy: Tensor | None, lengths: Tensor,
         if isinstance(pool, Tensor):
             pooled = torch.where(pool[:, None, None, None], pooled, history)
     combined = protect(combine_scores(pooled, redundancy, config.attention_weight), lengths, config.window,
-                       config.attention_sink)
+                       config.attention_sink if sinks is None else sinks)
     return select_kept(combined, keep), history
 
 
@@ -249,14 +255,16 @@ def random_scores(lengths: Tensor, num_layers: int, num_heads: int, n_max: int,
     return scores.masked_fill_(~_valid(lengths, n_max, device), 0.0)
 
 
-def choose_by_scores(scores: Tensor, lengths: Tensor, config, keep: int) -> Tensor:
-    """Protect the window and the sink, then keep the top ``keep``: int64 [R, L, H, keep], ascending."""
-    return select_kept(protect(scores, lengths, config.window, config.attention_sink), keep)
+def choose_by_scores(scores: Tensor, lengths: Tensor, config, keep: int, sinks: Tensor | None = None) -> Tensor:
+    """Protect the window and the sink (``sinks`` per request, default ``config.attention_sink``),
+    then keep the top ``keep``: int64 [R, L, H, keep], ascending."""
+    sink = config.attention_sink if sinks is None else sinks
+    return select_kept(protect(scores, lengths, config.window, sink), keep)
 
 
 def score_tokens(queries: Tensor, keys: Tensor, lengths: Tensor, previous: Tensor | None, num_previous: Tensor,
                  config, scale: float, keep: int, block_size: int, pool: bool,
-                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+                 generator: torch.Generator | None = None, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The whole pipeline for one layer group, from window queries and dense keys.
 
     ``config`` is a resolved ``CompressionConfig``; ``block_size`` is the cache's block size
@@ -270,7 +278,7 @@ def score_tokens(queries: Tensor, keys: Tensor, lengths: Tensor, previous: Tenso
             scores = position_scores(lengths.to(keys.device), L, H, n)
         else:
             scores = random_scores(lengths.to(keys.device), L, H, n, generator)
-        return choose_by_scores(scores, lengths, config, keep), torch.zeros_like(scores)
+        return choose_by_scores(scores, lengths, config, keep, sinks), torch.zeros_like(scores)
     attention = attention_scores(queries, keys, lengths, scale)
     redundancy = None
     if config.redundancy != "off":
@@ -278,4 +286,4 @@ def score_tokens(queries: Tensor, keys: Tensor, lengths: Tensor, previous: Tenso
         redundancy = redundancy_scores(keys, lengths, config.similarity_threshold, config.redundancy_temperature,
                                        divisor)
     return choose_tokens(attention, redundancy, lengths, previous, num_previous, config, keep,
-                         pool or config.pool_every_compression)
+                         pool or config.pool_every_compression, sinks)

@@ -156,9 +156,11 @@ def combine_scores(pooled: Tensor, redundancy: Tensor | None, attention_weight: 
     return out
 
 
-def protect(scores: Tensor, lengths: Tensor, window: int, sink: int) -> Tensor:
+def protect(scores: Tensor, lengths: Tensor, window: int, sink) -> Tensor:
+    """``sink``: one count for all requests, or a sequence of counts per request."""
     R, L, H, n_max = scores.shape
     s, n_of = _lists(scores), _ints(lengths)
+    sink_of = [int(sink)] * R if isinstance(sink, int) else [int(x) for x in sink]
     lowest, highest = torch.finfo(torch.float32).min, torch.finfo(torch.float32).max
     out = torch.zeros(R, L, H, n_max, dtype=torch.float64)
     for r in range(R):
@@ -168,7 +170,7 @@ def protect(scores: Tensor, lengths: Tensor, window: int, sink: int) -> Tensor:
                 for j in range(n_max):
                     if j >= n:
                         value = -math.inf
-                    elif j >= n - window or j < min(sink, n):
+                    elif j >= n - window or j < min(sink_of[r], n):
                         value = math.inf
                     else:  # unprotected: clamped to the finite float32 range, NaN lowest
                         value = s[r][l][h][j]
@@ -190,9 +192,9 @@ def select_kept(scores: Tensor, keep: int) -> Tensor:
 
 
 def score_tokens(queries: Tensor, keys: Tensor, lengths: Tensor, previous: Tensor | None, num_previous: Tensor,
-                 config, scale: float, keep: int, block_size: int, pool: bool) -> tuple[Tensor, Tensor]:
+                 config, scale: float, keep: int, block_size: int, pool: bool, sinks=None) -> tuple[Tensor, Tensor]:
     indices, history, _ = score_tokens_with_scores(queries, keys, lengths, previous, num_previous, config, scale,
-                                                   keep, block_size, pool)
+                                                   keep, block_size, pool, sinks)
     return indices, history
 
 
@@ -205,19 +207,22 @@ def position_scores(lengths: Tensor, num_layers: int, num_heads: int, n_max: int
     return out
 
 
-def score_tokens_with_scores(queries, keys, lengths, previous, num_previous, config, scale, keep, block_size, pool):
+def score_tokens_with_scores(queries, keys, lengths, previous, num_previous, config, scale, keep, block_size, pool,
+                             sinks=None):
     """``score_tokens`` plus the protected combined score S (float64), for tie-aware comparisons.
 
     ``config`` is a resolved ``CompressionConfig``; pooling applies when ``pool`` is true or the
     config pools at every compression. Policies: "zipage" and "attention" (whose resolved config
     has history and redundancy off) follow the pipeline; "recency" scores positions; "random" has
-    no reference (its scores are random draws).
+    no reference (its scores are random draws). ``sinks``: leading tokens kept per request
+    (default ``config.attention_sink`` for all).
     """
+    sink = config.attention_sink if sinks is None else sinks
     if config.policy == "random":
         raise ValueError("the random policy has no reference: its scores are random draws")
     if config.policy == "recency":
         R, L, H, n_max = keys.shape[:4]
-        combined = protect(position_scores(lengths, L, H, n_max), lengths, config.window, config.attention_sink)
+        combined = protect(position_scores(lengths, L, H, n_max), lengths, config.window, sink)
         return select_kept(combined, keep), torch.zeros(R, L, H, n_max, dtype=torch.float64), combined
     attention = attention_scores(queries, keys, lengths, scale)
     history = update_global_scores(attention, previous, num_previous, config.global_score_decay)
@@ -229,6 +234,5 @@ def score_tokens_with_scores(queries, keys, lengths, previous, num_previous, con
         divisor = block_size if config.redundancy == "lightning" else None
         redundancy = redundancy_scores(keys, lengths, config.similarity_threshold, config.redundancy_temperature,
                                        divisor)
-    combined = protect(combine_scores(pooled, redundancy, config.attention_weight), lengths, config.window,
-                       config.attention_sink)
+    combined = protect(combine_scores(pooled, redundancy, config.attention_weight), lengths, config.window, sink)
     return select_kept(combined, keep), history, combined

@@ -155,8 +155,9 @@ def by_length(encoded: list[Encoded], values: list[float], parts: int = 3) -> li
 def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGETS, policies=DEFAULT_POLICIES,
                   task: str | tasks.TaskSpec = "standard", start: int = 0, device: str | None = None,
                   block_size: int = 32, window: int = 16, dtype: str = "auto", max_num_seqs: int | None = None,
-                  kv_cache_memory_bytes: int | None = None, log=print) -> dict:
-    """Full KV, then every (policy, budget); returns the record written to ``synthetic.json``."""
+                  kv_cache_memory_bytes: int | None = None, log=print, keep_prompt: bool = False) -> dict:
+    """Full KV, then every (policy, budget); returns the record written to ``synthetic.json``.
+    ``keep_prompt``: every policy keeps the problem statement (``CompressionConfig.keep_prompt``)."""
     from zipage import CompressionConfig
     from zipage.utils.loader import load_tokenizer
 
@@ -171,7 +172,7 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
     for fraction in budgets:
         tokens = budget_tokens(fraction, mean_length, block_size, window)
         for name in policies:
-            config = CompressionConfig(kv_budget_tokens=tokens, window=window, policy=name,
+            config = CompressionConfig(kv_budget_tokens=tokens, window=window, policy=name, keep_prompt=keep_prompt,
                                        attention_sink=RECENCY_SINK if name == "recency" else 0)
             result = run_engine(model_dir, encoded, compression=config, **common)
             runs.append(dict(policy=name, budget_tokens=tokens, budget_fraction=tokens / mean_length,
@@ -181,7 +182,7 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
     settings = dict(model=os.path.abspath(model_dir), num_problems=num_problems,
                     task=task if isinstance(task, str) else asdict(task), start=start,
                     held_out_seed=tasks.HELD_OUT_SEED, block_size=block_size, window=window,
-                    recency_sink=RECENCY_SINK, mean_length=mean_length,
+                    recency_sink=RECENCY_SINK, keep_prompt=keep_prompt, mean_length=mean_length,
                     min_length=min(e.length for e in encoded), max_length=max(e.length for e in encoded),
                     device=device, dtype=dtype)
     return dict(settings=settings, runs=runs, summary=summarise(runs))
@@ -303,6 +304,8 @@ def add_eval_parser(sub) -> None:
     s.add_argument("--dtype", default="auto")
     s.add_argument("--max-num-seqs", type=int, default=None)
     s.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    s.add_argument("--keep-prompt", action="store_true",
+                   help="every policy keeps the problem statement (the prompt, up to half the budget)")
     s.add_argument("--out", default="results/quality")
     s.set_defaults(func=_run_synthetic)
     math_eval.add_math_parser(kinds)
@@ -316,7 +319,8 @@ def _run_synthetic(args: argparse.Namespace) -> int:
     if unknown or not budgets or any(not 0 < b <= 1 for b in budgets):
         raise ValueError(f"--policies must be among {POLICIES} (got {unknown}) and --budgets fractions in (0, 1]")
     record = run_synthetic(args.model, args.num_problems, budgets, policies, args.task, args.start, args.device,
-                           args.block_size, args.window, args.dtype, args.max_num_seqs, args.kv_cache_memory_bytes)
+                           args.block_size, args.window, args.dtype, args.max_num_seqs, args.kv_cache_memory_bytes,
+                           keep_prompt=args.keep_prompt)
     write(record, args.out)
     print("\n" + table(record))
     print(f"\nwrote synthetic.json, synthetic.md and synthetic.png to {args.out}")

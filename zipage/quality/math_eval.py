@@ -157,6 +157,7 @@ def add_math_parser(kinds) -> None:
     m.add_argument("--top-k", type=int, default=-1)
     m.add_argument("--modes", default="full,zipage", help="comma-separated: full, zipage, attention, ...")
     m.add_argument("--kv-budget-tokens", type=int, default=2048)
+    m.add_argument("--keep-prompt", action="store_true", help="compression never evicts the prompt (up to half the budget)")
     m.add_argument("--device", default=None)
     m.add_argument("--dtype", default="auto")
     m.add_argument("--block-size", type=int, default=256)
@@ -175,7 +176,7 @@ def _run_math(args: argparse.Namespace) -> int:
         if name != "full" and name not in POLICIES:
             raise ValueError(f"--modes takes 'full' and policies {POLICIES}, got {name!r}")
         modes[name] = None if name == "full" else CompressionConfig(kv_budget_tokens=args.kv_budget_tokens,
-                                                                     policy=name)
+                                                                     policy=name, keep_prompt=args.keep_prompt)
     problems = load_problems(args.data, args.limit)
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens)
     engine = dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
