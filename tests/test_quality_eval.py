@@ -168,3 +168,17 @@ def test_math_command_end_to_end(checkpoint_dir, tmp_path, one_thread):
     for run in record["runs"]:
         assert 0.0 <= run["pass_at_1"] <= 1.0 and len(run["correct"]) == 2 and len(run["correct"][0]) == 2
     assert record["settings"]["system_prompt"] == math_eval.SYSTEM_PROMPT
+
+
+def test_demo_runs_the_trained_model(one_thread, capsys):
+    """`zipage demo` on two problems: the committed checkpoint solves them with full KV, the
+    compressed run holds its KV under the full run's, and the engine equals transformers."""
+    from zipage.cli import main
+    from zipage.demo import CHECKPOINT
+
+    assert main(["demo", "--num-problems", "2", "--check", "1", "--check-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "| full KV | 1.000 | 1.000 |" in out  # the trained model solves both
+    assert "greedy tokens equal to transformers' generate: 1/1" in out
+    with open(os.path.join(CHECKPOINT, "training.json")) as f:
+        assert json.load(f)["held_out"]["accuracy"] >= 0.9
