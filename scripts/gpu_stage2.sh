@@ -14,8 +14,10 @@
 #   serve               online benchmark, MODE=full|zipage, Qwen3-8B shape, 12 GB KV cache
 # Each part leaves one archive OUT/PART.tgz (results and log), split into 15 MB pieces if larger.
 # Measured wall times on an H200 (engine start included): full8k at SCALE=0.75 about 400 s; full16k at
-# SCALE=0.5 about 370 s; zipage8k at 0.75 and zipage16k at 0.5 over 280 s (give them the whole call);
-# tp-test over 150 s; tp-bench at SCALE=0.25 over 170 s per TP size; train 240 s (schedule fixed since).
+# SCALE=0.5 about 370 s; zipage8k at 0.75 about 265 s; zipage16k at 0.5 about 200 s; train 535 s
+# (MINUTES=9.2); serve about 200 s per mode (RATES=2,8,inf NREQ=64); tp-test over 480 s (its engine
+# part did not finish; the test now dumps every process's stacks at its bound); tp-bench at
+# SCALE=0.25 over 170 s per TP size.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$(pwd)
 OUT=${OUT:-out}
