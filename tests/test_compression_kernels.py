@@ -56,7 +56,7 @@ def make_group_cache(lengths, block_size, dtype, head_dim=HEAD_DIM, spare_blocks
     blocks, the tail of a partial last block) holds NaN, and unused block-table
     columns hold garbage (-1, out-of-range and valid-looking ids). The block table
     is a column slice of a wider buffer (row stride != width).
-    Returns (kv_group view, block_tables, lengths int32, spare block ids).
+    Returns (kv_group view, block_tables, lengths int64 (a strided column), spare block ids).
     """
     generator = torch.Generator().manual_seed(seed)
     pages_per_req = [math.ceil(length / block_size) for length in lengths]
@@ -74,7 +74,11 @@ def make_group_cache(lengths, block_size, dtype, head_dim=HEAD_DIM, spare_blocks
         kv[:, :, pages] = data.to(dtype)
         if length % block_size:
             kv[:, :, pages[-1], length % block_size :] = float("nan")
-    return kv[:, 1:], block_tables, torch.tensor(lengths, dtype=torch.int32), physical
+    # Lengths as the engine passes them: one int64 column of a wider packed array, whose other
+    # columns hold values a kernel that ignored the stride would read instead.
+    packed = torch.full((len(lengths), 5), 10**6, dtype=torch.int64)
+    packed[:, 2] = torch.tensor(lengths)
+    return kv[:, 1:], block_tables, packed[:, 2], physical
 
 
 def token_slot(block_tables, r, j, block_size):
@@ -488,3 +492,40 @@ def test_compact_kv_in_place_matches_out_of_place(use_triton):
 def test_compact_kv_triton_float16(placement):
     require_triton()
     run_compact(True, 16, torch.float16, placement, "new")
+
+
+# ---------------------------------------------------------------- the engine's own inputs
+
+
+def test_score_kernels_on_the_compressors_packed_batch():
+    """The batch exactly as the compressor builds it (lengths, pooling flags and window rows
+    are columns of one packed array) through the Triton kernels and through the twins.
+    Requests of different lengths, so a kernel that misread the lengths would disagree."""
+    require_triton()
+    from types import SimpleNamespace
+
+    from zipage.compression.executor import Compressor
+    from zipage.compression.planner import CompressionTask
+    from zipage.config import CompressionConfig
+
+    block_size, width, window, group = 16, 3, WINDOW, 3
+    generator = torch.Generator().manual_seed(5)
+    kv = torch.randn(2, NUM_LAYERS, 16, block_size, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    queries = torch.randn(NUM_LAYERS, 4 * window + 1, NUM_KV_HEADS * group, HEAD_DIM, generator=generator)
+    blocks = torch.randperm(16, generator=generator).tolist()
+    tasks = [CompressionTask(seq=SimpleNamespace(query_slot=i), source_blocks=blocks[3 * i:3 * i + 3],
+                             target_blocks=blocks[3 * i:3 * i + 2], num_tokens=n, keep=2 * block_size,
+                             num_previous=0, last_position=n + 11 * i, pool=i % 2 == 0, protected=i,
+                             pending_release=[])
+             for i, n in enumerate([48, 37, 40, 20])]
+    compressor = Compressor(CompressionConfig(max_blocks_per_seq=width, window=window), kv, None, queries,
+                            HEAD_DIM ** -0.5, block_size)
+    b = compressor.batch_inputs(tasks)
+    assert not b.lengths.is_contiguous()
+    window_queries = queries[:, b.rows].transpose(0, 1).contiguous()
+    args = (window_queries, kv[0], b.sources, b.lengths, HEAD_DIM ** -0.5, b.n_max)
+    assert_close(paged_attention_scores(*args), paged_attention_scores_torch(*args).double(),
+                 TRITON_TOLERANCE[torch.float32])
+    args = (kv[0], b.sources, b.lengths, 0.5, b.n_max)
+    assert_rsum_close(paged_redundancy_sums(*args), paged_redundancy_sums_torch(*args).double(),
+                      RSUM_TOLERANCE[torch.float32])

@@ -127,6 +127,7 @@ if triton is not None:
         k_ptr,
         block_tables_ptr,
         lengths_ptr,
+        lengths_stride,
         partial_max_ptr,
         partial_sum_ptr,
         scale_log2,
@@ -167,7 +168,7 @@ if triton is not None:
             q_stride_req, q_stride_layer, q_stride_row, q_stride_head,
             GROUP_SIZE, GROUP_PAD, WINDOW_CHUNK, HEAD_DIM,
         )  # fmt: skip
-        length = tl.load(lengths_ptr + req).to(tl.int32)
+        length = tl.load(lengths_ptr + req * lengths_stride).to(tl.int32)
         # Window row i is token length - w + i and sees the keys up to itself
         # (padding rows i >= w see every key, harmlessly).
         last_visible = length - window + window_row
@@ -205,6 +206,7 @@ if triton is not None:
         k_ptr,
         block_tables_ptr,
         lengths_ptr,
+        lengths_stride,
         partial_max_ptr,
         partial_sum_ptr,
         out_ptr,
@@ -239,7 +241,7 @@ if triton is not None:
         layer = layer_head // num_kv_heads
         kv_head = layer_head % num_kv_heads
 
-        length = tl.load(lengths_ptr + req).to(tl.int32)
+        length = tl.load(lengths_ptr + req * lengths_stride).to(tl.int32)
         key_begin = tile * BLOCK_N
         out_positions = key_begin + tl.arange(0, BLOCK_N)
         out_offsets = (req.to(tl.int64) * tl.num_programs(1) + layer_head) * n_max + out_positions
@@ -290,6 +292,7 @@ if triton is not None:
         k_ptr,
         block_tables_ptr,
         lengths_ptr,
+        lengths_stride,
         out_ptr,
         threshold,
         n_max,
@@ -318,7 +321,7 @@ if triton is not None:
         layer = layer_head // num_kv_heads
         kv_head = layer_head % num_kv_heads
 
-        length = tl.load(lengths_ptr + req).to(tl.int32)
+        length = tl.load(lengths_ptr + req * lengths_stride).to(tl.int32)
         num_valid = tl.minimum(length - block * PAGE_SIZE, PAGE_SIZE)
         cols = tl.arange(0, BLOCK_B)
         out_positions = block * PAGE_SIZE + cols
@@ -412,7 +415,8 @@ def paged_attention_scores(
     queries: [R, L, w, Hq, d] (row i is the query of token lengths[r] - w + i; last
     dimension contiguous); k_cache: the layer group's keys [L, num_blocks, b, H, d]
     (strided view); block_tables: int32 [R, >= ceil(lengths[r] / b)]; lengths: int32 or
-    int64 [R], w <= lengths[r] <= n_max. A[r, l, h, j] = mean over i of the max over
+    int64 [R], any stride (the engine passes a column of its packed numbers),
+    w <= lengths[r] <= n_max. A[r, l, h, j] = mean over i of the max over
     the G = Hq / H query heads h*G + g of the causal softmax weight of key j (row i
     sees j <= lengths[r] - w + i). Padding j >= lengths[r]: 0. Written into `out`
     when given. num_splits (pass-1 key splits) and window_chunk (window rows per
@@ -477,11 +481,11 @@ def paged_attention_scores(
     )
     scale_log2 = scale * _LOG2_E
     _window_lse_kernel[(num_splits * num_chunks, layer_heads, num_requests)](
-        queries, k_cache, block_tables, lengths, partial_max, partial_sum,
+        queries, k_cache, block_tables, lengths, lengths.stride(0), partial_max, partial_sum,
         scale_log2, window, num_kv_heads, num_splits, num_chunks, *strides, **common,
     )  # fmt: skip
     _window_attention_kernel[(max_tiles, layer_heads, num_requests)](
-        queries, k_cache, block_tables, lengths, partial_max, partial_sum, out,
+        queries, k_cache, block_tables, lengths, lengths.stride(0), partial_max, partial_sum, out,
         scale_log2, window, n_max, num_kv_heads, num_splits, num_chunks, *strides, **common,
     )  # fmt: skip
     return out
@@ -531,6 +535,7 @@ def paged_redundancy_sums(k_cache, block_tables, lengths, threshold, n_max, out=
         k_cache,
         block_tables,
         lengths,
+        lengths.stride(0),
         out,
         float(threshold),
         n_max,

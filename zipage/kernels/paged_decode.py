@@ -223,6 +223,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     assert q.dtype == k_cache.dtype == v_cache.dtype
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and block_tables.stride(1) == 1
+    assert context_lens.is_contiguous(), "context_lens is read as a dense array"
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1

@@ -193,6 +193,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     assert head_dim in (16, 32, 64, 128, 256), "head_dim must be a power of two in [16, 256]"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     assert q.dtype == k_cache.dtype == v_cache.dtype
+    assert cu_seqlens_q.is_contiguous() and context_lens.is_contiguous(), "read as dense arrays"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and block_tables.stride(1) == 1
     out = torch.empty_like(q)
     if total_q == 0 or batch == 0:
