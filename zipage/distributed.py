@@ -39,9 +39,19 @@ def init_tensor_parallel(rank: int | None = None, size: int | None = None, backe
 
 
 def destroy_tensor_parallel() -> None:
+    """Leave the group (every rank does, when the engine closes).
+
+    With NCCL the communicators are aborted rather than destroyed: the orderly
+    teardown (``destroy_process_group``) hung at close on an H200 pair (torch 2.11,
+    CUDA graphs holding the communicator), whichever rank called it first, while an
+    abort does not wait on the peers. The engine only closes between steps, so no
+    collective is in flight."""
     global _rank, _size
     if _size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+        if dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()  # also forgets the group, as destroy does
+        else:
+            dist.destroy_process_group()
     _rank, _size = 0, 1
 
 

@@ -177,12 +177,15 @@ class ParallelRunner:
         return done
 
     def close(self) -> None:
-        """Stop the followers and leave the group (idempotent)."""
+        """Stop the followers and leave the group (idempotent). Rank 0 leaves before it
+        waits for the followers to exit, so a teardown that waits on the peers cannot
+        deadlock with them."""
         for conn in self._conns:
             try:
                 conn.send(("close",))
             except (BrokenPipeError, OSError):
                 pass
+        destroy_tensor_parallel()
         for proc in self._procs:
             proc.join(timeout=30)
             if proc.is_alive():
@@ -190,7 +193,6 @@ class ParallelRunner:
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
-        destroy_tensor_parallel()
 
 
 def make_runner(config: EngineConfig, hf_config):
