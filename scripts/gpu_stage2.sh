@@ -9,8 +9,9 @@
 #   sweep-block         Zipage block 64/128 (budget 2048), at scale 1/2
 #   eager               each mode with and without CUDA graphs and fused kernels, medium scale
 #   train               train the synthetic-task model (MINUTES, default 9.2; INIT: a checkpoint to start from)
-#   eval                synthetic evaluation of checkpoints/ledger-14m, 200 problems, every policy and budget,
-#                       with and without the statement kept, windows 16 and 32
+#   eval                synthetic evaluation of checkpoints/ledger-14m, 200 problems, every policy and budget;
+#                       EVAL picks the variants (default: keep16 keep16pool keep32pool plain16: statement kept
+#                       or not, window 16 or 32, Zipage pooling at every compression); results saved per run
 #   tp-test             tensor-parallel engine tests on two GPUs
 #   tp-bench            full and Zipage at TP (default 2), reasoning-8k at SCALE
 #   serve               online benchmark, MODE=full|zipage, Qwen3-8B shape, 12 GB KV cache
@@ -47,10 +48,12 @@ run() {
     train) timeout "$LIMIT" python3 -m zipage.quality.train --out "$dir" --max-minutes "${MINUTES:-9.2}" \
         --eval-reserve-s 45 ${INIT:+--init-from "$INIT"} \
         2>&1 | grep -v "it/s" ;;
-    eval) for variant in "keep16 --keep-prompt --window 16" "keep32 --keep-prompt --window 32" "plain16 --window 16"; do
-          set -- $variant
+    eval) declare -A flags=([keep16]="--keep-prompt --window 16" [keep32]="--keep-prompt --window 32"
+          [keep16pool]="--keep-prompt --window 16 --pool-every-compression"
+          [keep32pool]="--keep-prompt --window 32 --pool-every-compression" [plain16]="--window 16")
+        for variant in ${EVAL:-keep16 keep16pool keep32pool plain16}; do
           timeout "$LIMIT" python3 -m zipage.cli eval synthetic --model checkpoints/ledger-14m --num-problems 200 \
-            --budgets 0.125,0.25,0.375,0.5,0.75,0.875 --out "$dir/$1" "${@:2}" 2>&1 | grep -v "it/s"
+            --budgets 0.125,0.25,0.375,0.5,0.75,0.875 --out "$dir/$variant" ${flags[$variant]} 2>&1 | grep -v "it/s"
         done ;;
     tp-test) ZIPAGE_TEST_DEVICE=cuda timeout "$LIMIT" python3 -m pytest -q -x -p no:cacheprovider \
         tests/test_tensor_parallel.py 2>&1 ;;

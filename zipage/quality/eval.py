@@ -87,8 +87,9 @@ def kv_bytes_per_token(model_dir: str, device: str) -> int:
 
 def run_engine(model_dir: str, encoded: list[Encoded], compression=None, device: str | None = None,
                block_size: int = 32, dtype: str = "auto", max_num_seqs: int | None = None,
-               kv_cache_memory_bytes: int | None = None, slack_tokens: int = 32) -> dict:
-    """Greedy decoding of every problem in one engine; metrics of the run."""
+               kv_cache_memory_bytes: int | None = None, slack_tokens: int = 32, **engine_options) -> dict:
+    """Greedy decoding of every problem in one engine; metrics of the run. ``engine_options`` go to
+    ``LLM`` (e.g. ``enforce_eager``)."""
     import torch
 
     from zipage import LLM, SamplingParams
@@ -98,7 +99,7 @@ def run_engine(model_dir: str, encoded: list[Encoded], compression=None, device:
         kv_cache_memory_bytes = (len(encoded) + 1) * (longest + block_size) * kv_bytes_per_token(model_dir, device)
     llm = LLM(model_dir, device=device, dtype=dtype, block_size=block_size, compression=compression,
               max_num_seqs=max_num_seqs or len(encoded), kv_cache_memory_bytes=kv_cache_memory_bytes,
-              max_model_len=min(longest + block_size, _model_limit(model_dir)), seed=0)
+              max_model_len=min(longest + block_size, _model_limit(model_dir)), seed=0, **engine_options)
     params = [SamplingParams(temperature=0.0, max_tokens=len(e.reference_ids) + slack_tokens) for e in encoded]
     start = time.perf_counter()
     outputs = llm.generate([e.prompt_ids for e in encoded], params, use_tqdm=False)
@@ -155,9 +156,12 @@ def by_length(encoded: list[Encoded], values: list[float], parts: int = 3) -> li
 def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGETS, policies=DEFAULT_POLICIES,
                   task: str | tasks.TaskSpec = "standard", start: int = 0, device: str | None = None,
                   block_size: int = 32, window: int = 16, dtype: str = "auto", max_num_seqs: int | None = None,
-                  kv_cache_memory_bytes: int | None = None, log=print, keep_prompt: bool = False) -> dict:
+                  kv_cache_memory_bytes: int | None = None, log=print, keep_prompt: bool = False,
+                  pool_every_compression: bool = False, on_run=None) -> dict:
     """Full KV, then every (policy, budget); returns the record written to ``synthetic.json``.
-    ``keep_prompt``: every policy keeps the problem statement (``CompressionConfig.keep_prompt``)."""
+    ``keep_prompt``: every policy keeps the problem statement (``CompressionConfig.keep_prompt``);
+    ``pool_every_compression``: Zipage max-pools its scores at every compression, not only the first.
+    ``on_run(record)`` is called with the partial record after every run (to save progress)."""
     from zipage import CompressionConfig
     from zipage.utils.loader import load_tokenizer
 
@@ -169,22 +173,26 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
     log(f"full KV: accuracy {full['accuracy']:.3f}, correct prefix {full['prefix_fraction']:.3f} "
         f"({full['tokens_per_second']:.0f} tokens/s)")
     runs = [dict(policy="full", budget_tokens=None, budget_fraction=1.0, **_summary(full, encoded))]
+    settings = dict(model=os.path.abspath(model_dir), num_problems=num_problems,
+                    task=task if isinstance(task, str) else asdict(task), start=start,
+                    held_out_seed=tasks.HELD_OUT_SEED, block_size=block_size, window=window,
+                    recency_sink=RECENCY_SINK, keep_prompt=keep_prompt,
+                    pool_every_compression=pool_every_compression, mean_length=mean_length,
+                    min_length=min(e.length for e in encoded), max_length=max(e.length for e in encoded),
+                    device=device, dtype=dtype)
     for fraction in budgets:
         tokens = budget_tokens(fraction, mean_length, block_size, window)
         for name in policies:
+            extra = dict(pool_every_compression=True) if pool_every_compression and name == "zipage" else {}
             config = CompressionConfig(kv_budget_tokens=tokens, window=window, policy=name, keep_prompt=keep_prompt,
-                                       attention_sink=RECENCY_SINK if name == "recency" else 0)
+                                       attention_sink=RECENCY_SINK if name == "recency" else 0, **extra)
             result = run_engine(model_dir, encoded, compression=config, **common)
             runs.append(dict(policy=name, budget_tokens=tokens, budget_fraction=tokens / mean_length,
                              requested_fraction=fraction, **_summary(result, encoded)))
             log(f"{name:>9} budget {tokens:>5} ({tokens / mean_length:.3f}): accuracy {result['accuracy']:.3f}, "
                 f"correct prefix {result['prefix_fraction']:.3f}")
-    settings = dict(model=os.path.abspath(model_dir), num_problems=num_problems,
-                    task=task if isinstance(task, str) else asdict(task), start=start,
-                    held_out_seed=tasks.HELD_OUT_SEED, block_size=block_size, window=window,
-                    recency_sink=RECENCY_SINK, keep_prompt=keep_prompt, mean_length=mean_length,
-                    min_length=min(e.length for e in encoded), max_length=max(e.length for e in encoded),
-                    device=device, dtype=dtype)
+            if on_run is not None:
+                on_run(dict(settings=settings, runs=runs, summary=summarise(runs)))
     return dict(settings=settings, runs=runs, summary=summarise(runs))
 
 
@@ -275,13 +283,14 @@ def plot(record: dict, path: str) -> bool:
     return True
 
 
-def write(record: dict, out_dir: str) -> None:
+def write(record: dict, out_dir: str, plot_too: bool = True) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "synthetic.json"), "w") as f:
         json.dump(record, f, indent=1)
     with open(os.path.join(out_dir, "synthetic.md"), "w") as f:
         f.write(table(record) + "\n")
-    plot(record, os.path.join(out_dir, "synthetic.png"))
+    if plot_too:
+        plot(record, os.path.join(out_dir, "synthetic.png"))
 
 
 # -- command line -----------------------------------------------------------------
@@ -306,6 +315,8 @@ def add_eval_parser(sub) -> None:
     s.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     s.add_argument("--keep-prompt", action="store_true",
                    help="every policy keeps the problem statement (the prompt, up to half the budget)")
+    s.add_argument("--pool-every-compression", action="store_true",
+                   help="Zipage max-pools its scores at every compression (published: only at the first)")
     s.add_argument("--out", default="results/quality")
     s.set_defaults(func=_run_synthetic)
     math_eval.add_math_parser(kinds)
@@ -320,7 +331,8 @@ def _run_synthetic(args: argparse.Namespace) -> int:
         raise ValueError(f"--policies must be among {POLICIES} (got {unknown}) and --budgets fractions in (0, 1]")
     record = run_synthetic(args.model, args.num_problems, budgets, policies, args.task, args.start, args.device,
                            args.block_size, args.window, args.dtype, args.max_num_seqs, args.kv_cache_memory_bytes,
-                           keep_prompt=args.keep_prompt)
+                           keep_prompt=args.keep_prompt, pool_every_compression=args.pool_every_compression,
+                           on_run=lambda partial: write(partial, args.out, plot_too=False))
     write(record, args.out)
     print("\n" + table(record))
     print(f"\nwrote synthetic.json, synthetic.md and synthetic.png to {args.out}")
