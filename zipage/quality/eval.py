@@ -173,7 +173,7 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
     log(f"full KV: accuracy {full['accuracy']:.3f}, correct prefix {full['prefix_fraction']:.3f} "
         f"({full['tokens_per_second']:.0f} tokens/s)")
     runs = [dict(policy="full", budget_tokens=None, budget_fraction=1.0, **_summary(full, encoded))]
-    settings = dict(model=os.path.abspath(model_dir), num_problems=num_problems,
+    settings = dict(model=model_dir, num_problems=num_problems,
                     task=task if isinstance(task, str) else asdict(task), start=start,
                     held_out_seed=tasks.HELD_OUT_SEED, block_size=block_size, window=window,
                     recency_sink=RECENCY_SINK, keep_prompt=keep_prompt,

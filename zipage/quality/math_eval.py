@@ -139,7 +139,7 @@ def run_math(model_dir: str, problems: list[dict], n: int, sampling: dict, modes
             f"({generated} tokens in {elapsed:.0f} s)")
         del llm, outputs
         gc.collect()
-    return dict(settings=dict(model=os.path.abspath(model_dir), problems=len(problems), n=n,
+    return dict(settings=dict(model=model_dir, problems=len(problems), n=n,
                               system_prompt=SYSTEM_PROMPT, sampling=sampling,
                               engine={k: v for k, v in engine.items()}),
                 runs=runs)
