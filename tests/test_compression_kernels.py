@@ -529,3 +529,35 @@ def test_score_kernels_on_the_compressors_packed_batch():
     args = (kv[0], b.sources, b.lengths, 0.5, b.n_max)
     assert_rsum_close(paged_redundancy_sums(*args), paged_redundancy_sums_torch(*args).double(),
                       RSUM_TOLERANCE[torch.float32])
+
+
+def test_engine_with_the_triton_kernels_gives_the_twins_tokens(checkpoint_dir, monkeypatch):
+    """A whole engine on the CPU whose compressor runs the Triton kernels (interpreted)
+    generates the tokens it generates with the PyTorch twins: the kernels get the
+    engine's own views (packed numbers, block-table slices, layer groups), as on a GPU."""
+    require_triton()
+    from tests.conftest import make_llm
+    from zipage import CompressionConfig, SamplingParams
+    from zipage.compression import executor
+    from zipage.runner import model_runner
+
+    class TritonCompressor(executor.Compressor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._attention = paged_attention_scores
+            self._redundancy = paged_redundancy_sums
+            self._compact = compact_kv
+
+    model_dir = checkpoint_dir("qwen3")
+    prompts = [list(range(5, 45)), list(range(7, 30)), [3, 1, 4, 1, 5, 9, 2, 6], list(range(50, 90))]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    tokens = []
+    for kernels in ("twins", "triton"):
+        if kernels == "triton":  # the runner builds its compressor from this name
+            monkeypatch.setattr(model_runner, "Compressor", TritonCompressor)
+        with make_llm(model_dir, block_size=16, max_model_len=256, device="cpu",
+                      compression=CompressionConfig(max_blocks_per_seq=3, window=8, layer_group=1)) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert llm.stats.num_compressions >= len(prompts)
+        tokens.append([o.outputs[0].token_ids for o in outputs])
+    assert tokens[1] == tokens[0]
