@@ -136,6 +136,58 @@ def test_stream_interval_merges_steps_into_one_chunk(model_dir):
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
 
 
+def test_engine_step_calls_its_async_callback_once_per_model_run(model_dir):
+    llm = make_llm(model_dir, block_size=16, max_num_seqs=4, max_model_len=256)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate(PROMPTS[:2], greedy, use_tqdm=False)
+    for prompt in PROMPTS[:2]:
+        llm.engine.add_request(prompt, greedy)
+    calls, steps, finished = [], 0, {}
+    while llm.engine.has_unfinished_requests():
+        outputs, _ = llm.engine.step(async_callback=lambda: calls.append(steps))
+        steps += 1
+        finished.update((o.request_id, o.outputs[0].token_ids) for o in outputs)
+    assert calls == list(range(steps))  # once in every step, during it
+    assert sorted(finished.values()) == sorted(o.outputs[0].token_ids for o in expected)
+    assert llm.engine.step(async_callback=lambda: calls.append("idle")) == ([], None) and "idle" not in calls
+
+
+def test_outputs_are_handed_over_during_the_next_step(model_dir):
+    """The event loop gets a step's outputs while the engine runs the next one; at once when it goes idle."""
+    llm = make_llm(model_dir, block_size=16, max_num_seqs=4, max_model_len=256)
+    app = create_app(llm.engine, MODEL, stream_interval=0.0)
+    async_engine, in_callback, flushes = app.state.engine, [False], []
+    real_step, real_flush = llm.engine.step, async_engine._flush
+
+    def step(async_callback=None):
+        def callback():
+            in_callback[0] = True
+            try:
+                async_callback()
+            finally:
+                in_callback[0] = False
+        return real_step(async_callback=callback)
+
+    def flush():
+        if async_engine._held:
+            flushes.append(in_callback[0])
+        real_flush()
+
+    llm.engine.step, async_engine._flush = step, flush
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+        full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        flushes.clear()
+        chunks = list(client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True,
+            stream_options={"continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks]  # a chunk per step, unless the loop fell behind
+    assert counts[-1] == 12 and counts == sorted(set(counts))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert flushes == [True] * 11 + [False]  # the last one at once: nothing runs after it
+
+
 def test_chat_streamed_text_equals_non_streamed(served):
     client = served.client
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[1]}]
@@ -335,11 +387,11 @@ def test_engine_failure_fails_the_requests_in_flight_and_the_server_recovers(ser
     engine = served.llm.engine
     real_step, fail = engine.step, [True]
 
-    def step():
+    def step(**kwargs):
         if fail[0]:
             fail[0] = False
             raise RuntimeError("injected failure")
-        return real_step()
+        return real_step(**kwargs)
 
     monkeypatch.setattr(engine, "step", step)
     with pytest.raises(openai.InternalServerError, match="injected failure"):

@@ -63,7 +63,7 @@ class SimulatedRunner:
         self.decode_ms = self.prefill_ms = 0.0  # the clock, by kind of step
         self.last_prepare_s = 0.0
 
-    def execute(self, seqs, is_prefill: bool, eos_token_ids) -> list[int]:
+    def execute(self, seqs, is_prefill: bool, eos_token_ids, async_callback=None) -> list[int]:
         m = self.model
         if is_prefill:
             step = m["p0"] + m["p1"] * sum(seq.num_tokens - seq.num_prefix_hit_tokens for seq in seqs)
@@ -73,11 +73,13 @@ class SimulatedRunner:
             step = m["a"] + m["b"] * len(seqs) + m["c"] * cached / 1000
             self.decode_ms += step
         if self.sleep:
-            _wait_like_a_device(step / 1000)
+            _wait_like_a_device(step / 1000, async_callback)
             # Random weights' tokens: any id of the vocabulary (a named shape's small tokenizer
             # knows few of them), none an EOS.
             return [t if t not in eos_token_ids else 2 for t in
                     (self._rng.randrange(self.vocab_size) for _ in seqs)]
+        if async_callback is not None:
+            async_callback()
         token = 1 if 1 not in eos_token_ids else 2
         return [token] * len(seqs)
 
@@ -95,14 +97,17 @@ class SimulatedRunner:
         pass
 
 
-def _wait_like_a_device(seconds: float) -> None:
-    """A GPU step as its Python thread lives it: launches, then a blocking read of the result."""
+def _wait_like_a_device(seconds: float, async_callback=None) -> None:
+    """A GPU step as its Python thread lives it: launches, then a blocking read of the result
+    (``async_callback``, as the model runner calls it, in between)."""
     half = LAUNCHES_PER_STEP // 2
     for _ in range(half):  # the input copies (time.sleep releases the GIL, even for 0 s)
         time.sleep(0)
     done = time.perf_counter() + seconds  # the forward starts
     for _ in range(LAUNCHES_PER_STEP - half):  # the sampler's kernels, queued behind it
         time.sleep(0)
+    if async_callback is not None:
+        async_callback()
     time.sleep(max(0.0, done - time.perf_counter()))  # .tolist(): wait for the device
 
 

@@ -9,6 +9,7 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zipage.config import EngineConfig
@@ -172,12 +173,18 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the loop ---------------------------------------------------------
-    def step(self) -> tuple[list[RequestOutput], StepStats | None]:
+    def step(self, async_callback: Callable[[], None] | None = None
+             ) -> tuple[list[RequestOutput], StepStats | None]:
         """Run one step; return the step's outputs and numbers.
 
         The outputs are those of the requests that finished in the step and, for requests
         added with ``stream=True``, of every request that gained a token: each such output
         holds only what is new since its previous one (``finished`` marks the last).
+
+        ``async_callback``, if given, is called once the step's model run is under way on the
+        device, before the engine waits for its tokens, so that host work (handing the previous
+        step's outputs over, say) overlaps with the device's; it is not called if the step runs
+        no model (nothing scheduled).
         """
         start = time.perf_counter()
         self._collect_compression(wait=False)
@@ -202,7 +209,10 @@ class LLMEngine:
             else:
                 self.runner.compress(batch.compressions)
             stats.compression_s = time.perf_counter() - scheduled
-        token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids) if batch.seqs else []
+        token_ids = []
+        if batch.seqs:
+            kwargs = {} if async_callback is None else {"async_callback": async_callback}
+            token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids, **kwargs)
         if not batch.is_prefill:
             stats.kv_tokens = sum(seq.kv_len for seq in batch.seqs) + len(batch.seqs)
         outputs = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -182,10 +183,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int],
-                shape: StepShape | None = None) -> list[int]:
+                shape: StepShape | None = None, async_callback: Callable[[], None] | None = None) -> list[int]:
         """Run one step for ``seqs`` and return one sampled token id per sequence.
 
         ``shape``: the step's numbers are already in the host buffers (filled by the caller).
+        ``async_callback``: host work to overlap with the step, called once the step is queued on
+        the device and before waiting for its tokens (on the CPU, before the forward).
         """
         start = time.perf_counter()
         if shape is None:
@@ -193,10 +196,15 @@ class ModelRunner:
         inputs = self.inputs.to_device(shape)
         st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device)
         self.last_prepare_s = time.perf_counter() - start
+        if async_callback is not None and self.device.type == "cpu":
+            async_callback()  # no device to wait for: let it run alongside the forward's GIL-free ops
+            async_callback = None
         begin = self.trace.mark() if self.trace else None
         token_ids = self.sampler(self.logits(inputs), st)
         if self.trace:
             self.trace.steps.append((begin, self.trace.mark()))
+        if async_callback is not None:
+            async_callback()  # the device runs the step meanwhile
         return token_ids.tolist()
 
     @torch.inference_mode()

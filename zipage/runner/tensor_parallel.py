@@ -156,11 +156,11 @@ class ParallelRunner:
         for conn in self._conns:
             conn.send(message)
 
-    def execute(self, seqs, is_prefill: bool, eos_token_ids: set[int]) -> list[int]:
+    def execute(self, seqs, is_prefill: bool, eos_token_ids: set[int], async_callback=None) -> list[int]:
         inputs = self.local.inputs
         shape = inputs.fill_prefill(seqs) if is_prefill else inputs.fill_decode(seqs)
         self._send("step", shape, inputs.export(shape))
-        return self.local.execute(seqs, is_prefill, eos_token_ids, shape)
+        return self.local.execute(seqs, is_prefill, eos_token_ids, shape, async_callback)
 
     def compress(self, tasks) -> None:
         self._send("compress", _portable(tasks))
