@@ -203,3 +203,35 @@ def test_detokenizer_passes_over_tokens_without_text(checkpoint_dir):
         detok.update(ids)
         assert len(ids) - detok.prefix_offset <= CONTEXT_TOKENS + 1
     assert detok.text == tokenizer.decode(ids) == " hello world"
+
+
+def test_detokenizer_decodes_as_the_tokenizer_does(checkpoint_dir):
+    """The detokenizer calls a transformers tokenizer past its input conversion; same text."""
+    import random
+
+    from zipage.engine.detokenizer import decode_function
+    from zipage.utils.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(checkpoint_dir("qwen3"))
+    fast = decode_function(tokenizer)
+    assert fast != tokenizer.decode
+    rng = random.Random(0)
+    special = sorted(tokenizer.all_special_ids)
+    for n in (0, 1, 7, 40):
+        ids = [rng.randrange(len(tokenizer) + 10) for _ in range(n)] + special
+        rng.shuffle(ids)
+        for skip in (False, True):
+            assert fast(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+    class Custom(type(tokenizer)):  # a tokenizer with its own decode keeps it
+        def decode(self, token_ids, **kwargs):
+            return "custom"
+
+    tokenizer.__class__ = Custom
+    assert decode_function(tokenizer)([1], skip_special_tokens=True) == "custom"
+
+    class Plain:  # not a transformers tokenizer
+        def decode(self, token_ids, skip_special_tokens=False):
+            return "plain"
+
+    assert decode_function(Plain())([1], skip_special_tokens=False) == "plain"
