@@ -18,9 +18,9 @@
 # Each part leaves one archive OUT/PART.tgz (results and log), split into 15 MB pieces if larger.
 # Measured wall times on an H200 (engine start included): full8k at SCALE=0.75 about 400 s; full16k at
 # SCALE=0.5 about 370 s; zipage8k at 0.75 about 265 s; zipage16k at 0.5 about 200 s; train 535 s
-# (MINUTES=9.2); serve about 200 s per mode (RATES=2,8,inf NREQ=64); tp-test over 480 s (its engine
-# part did not finish; the test now dumps every process's stacks at its bound); tp-bench at
-# SCALE=0.25 over 170 s per TP size.
+# (MINUTES=9.2); serve about 200 s per mode (RATES=2,8,inf NREQ=64); eval about 150 s per variant;
+# tp-test hung at engine close before the NCCL abort fix (untried since; ZIPAGE_TP_TIMEOUT_S bounds
+# its engine part); tp-bench at SCALE=0.25 over 170 s per TP size.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$(pwd)
 OUT=${OUT:-out}

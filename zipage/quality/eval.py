@@ -183,9 +183,10 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
     for fraction in budgets:
         tokens = budget_tokens(fraction, mean_length, block_size, window)
         for name in policies:
-            extra = dict(pool_every_compression=True) if pool_every_compression and name == "zipage" else {}
+            # (attention-only pools at every compression anyway; recency and random do not pool)
             config = CompressionConfig(kv_budget_tokens=tokens, window=window, policy=name, keep_prompt=keep_prompt,
-                                       attention_sink=RECENCY_SINK if name == "recency" else 0, **extra)
+                                       attention_sink=RECENCY_SINK if name == "recency" else 0,
+                                       pool_every_compression=pool_every_compression)
             result = run_engine(model_dir, encoded, compression=config, **common)
             runs.append(dict(policy=name, budget_tokens=tokens, budget_fraction=tokens / mean_length,
                              requested_fraction=fraction, **_summary(result, encoded)))

@@ -196,14 +196,14 @@ class ModelRunner:
         inputs = self.inputs.to_device(shape)
         st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device)
         self.last_prepare_s = time.perf_counter() - start
-        if async_callback is not None and self.device.type == "cpu":
+        on_cpu = self.device.type == "cpu"
+        if async_callback is not None and on_cpu:
             async_callback()  # no device to wait for: let it run alongside the forward's GIL-free ops
-            async_callback = None
         begin = self.trace.mark() if self.trace else None
         token_ids = self.sampler(self.logits(inputs), st)
         if self.trace:
             self.trace.steps.append((begin, self.trace.mark()))
-        if async_callback is not None:
+        if async_callback is not None and not on_cpu:
             async_callback()  # the device runs the step meanwhile
         return token_ids.tolist()
 
