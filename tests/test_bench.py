@@ -117,3 +117,43 @@ def test_replay_step_model_errors():
         parse_step_model("1,2")
     with pytest.raises(ValueError, match=">= 0"):
         parse_step_model("1,-2,0,0,0")
+
+
+def _brute_overlap(start: float, end: float, intervals) -> float:
+    """Length of [start, end] covered by ``intervals``, on a fine grid of their endpoints."""
+    points = sorted({start, end, *(p for iv in intervals for p in iv)})
+    return sum(b - a for a, b in zip(points, points[1:])
+               if start <= a and b <= end and any(s <= a and b <= e for s, e in intervals))
+
+
+def test_gpu_timeline_summary_matches_brute_force():
+    """The trace's summary (sorted sweeps) equals a plain piecewise count on random timelines."""
+    import random
+
+    from zipage.runner.trace import timeline_summary
+
+    rng = random.Random(0)
+    for _ in range(30):
+        t, steps, compressions = 0.0, [], []
+        for _ in range(rng.randint(1, 25)):
+            t += rng.choice([0.0, rng.random()])  # back to back or after a gap
+            steps.append((t, t + rng.uniform(0.1, 2.0)))
+            t = steps[-1][1]
+        for _ in range(rng.randint(0, 8)):
+            a = rng.uniform(-1.0, t + 1.0)
+            compressions.append((a, a + rng.uniform(0.05, 3.0)))
+        got = timeline_summary(steps, compressions)
+        busy = steps + compressions
+        lo, hi = min(a for a, _ in busy), max(b for _, b in busy)
+        busy_s = _brute_overlap(lo, hi, busy)
+        assert abs(got["gpu_busy_s"] - busy_s) < 1e-9 and abs(got["gpu_span_s"] - (hi - lo)) < 1e-9
+        hidden = sum(_brute_overlap(a, b, steps) for a, b in compressions)
+        assert abs(got["compression_hidden_s"] - hidden) < 1e-9
+        gaps = sum(b - a - _brute_overlap(a, b, compressions)
+                   for (_, a), (b, _) in zip(steps, steps[1:]) if b > a)
+        assert abs(got["idle_ms_per_step"] - 1000 * gaps / len(steps)) < 1e-6
+        under = [b - a for a, b in steps if _brute_overlap(a, b, compressions) > 0]
+        if under:
+            assert abs(got["step_ms_under_compression"] - 1000 * sum(under) / len(under)) < 1e-6
+        else:
+            assert got["step_ms_under_compression"] is None

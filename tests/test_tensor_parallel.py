@@ -203,8 +203,10 @@ ENGINE_VARIANTS = {
 }
 
 
-def _engine_tokens(model_dir: str, tensor_parallel_size: int, variant: str) -> list[list[int]]:
-    """Greedy tokens of a few prompts (shared prefix, lengths across blocks), in float32."""
+def _engine_tokens(model_dir: str, tensor_parallel_size: int, variant: str, log=lambda stage: None
+                   ) -> list[list[int]]:
+    """Greedy tokens of a few prompts (shared prefix, lengths across blocks), in float32;
+    ``log`` hears each stage (built, generated, closed)."""
     from zipage import LLM, CompressionConfig, SamplingParams
 
     settings = ENGINE_VARIANTS[variant]
@@ -214,23 +216,28 @@ def _engine_tokens(model_dir: str, tensor_parallel_size: int, variant: str) -> l
     with LLM(model_dir, device=ENGINE_DEVICE, dtype="float32", block_size=BLOCK, max_model_len=256,
              kv_cache_memory_bytes=1 << 22, tensor_parallel_size=tensor_parallel_size, max_num_seqs=4,
              compression=compression) as llm:
+        log("built")
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True),
                                use_tqdm=False)
+        log("generated")
         assert (llm.stats.num_compressions > 0) == (compression is not None)
+    log("closed")
     return [o.outputs[0].token_ids for o in outputs]
 
 
-# Rank 0's script. Progress goes to stderr with timings, and SIGUSR1 dumps every thread's
-# stack (followers register the same), so a run stopped at the bound shows where it stood.
+# Rank 0's script. Each engine's stages go to stderr with timings, every thread's stack
+# is dumped each minute, and SIGUSR1 dumps them too (followers register the same), so a
+# run stopped at the bound shows where it stood.
 _TP_SCRIPT = """
 import faulthandler, json, signal, sys, time
 faulthandler.register(signal.SIGUSR1, all_threads=True)
+faulthandler.dump_traceback_later(60, repeat=True)
 sys.path.insert(0, {tests!r})
 from test_tensor_parallel import ENGINE_VARIANTS, _engine_tokens
 tokens, start = {{}}, time.monotonic()
 for v in ENGINE_VARIANTS:
-    tokens[v] = _engine_tokens({model_dir!r}, 2, v)
-    print(f"variant {{v}} done after {{time.monotonic() - start:.1f}} s", file=sys.stderr, flush=True)
+    log = lambda stage: print(f"{{v}}: {{stage}} after {{time.monotonic() - start:.1f}} s", file=sys.stderr, flush=True)
+    tokens[v] = _engine_tokens({model_dir!r}, 2, v, log)
 print("TOKENS " + json.dumps(tokens))
 """
 

@@ -116,6 +116,19 @@ class ModelRunner:
                                        self.inputs.no_query_row if compression else None)
             self.graphs.capture()
 
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs and wait for the device (before a tensor-parallel group is left).
+
+        A captured decode graph holds the group's collectives; an NCCL communicator torn
+        down while such graphs are alive, or with work in flight, never finished tearing
+        down on an H200 pair. Decoding after this runs eagerly."""
+        if self.device.type != "cuda":
+            return
+        self.graphs = None
+        if self.compressor is not None:
+            self.compressor.graphs = None
+        torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def _profile_peak_activation(self) -> None:
         """One prefill of the largest step, before the cache exists, to measure its memory peak."""

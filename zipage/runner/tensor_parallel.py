@@ -72,6 +72,7 @@ def _follower_main(rank: int, config: EngineConfig, hf_config, port: int, conn) 
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints where this rank stands (a hang in a collective)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     conn.send(("started",))
+    runner = None
     try:
         init_tensor_parallel(rank, config.tensor_parallel_size, _backend(config), f"tcp://127.0.0.1:{port}")
         runner = ModelRunner(config, hf_config, rank)
@@ -97,6 +98,8 @@ def _follower_main(rank: int, config: EngineConfig, hf_config, port: int, conn) 
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         raise
     finally:
+        if runner is not None:
+            runner.release_graphs()
         destroy_tensor_parallel()
         conn.close()
 
@@ -177,14 +180,17 @@ class ParallelRunner:
         return done
 
     def close(self) -> None:
-        """Stop the followers and leave the group (idempotent). Rank 0 leaves before it
-        waits for the followers to exit, so a teardown that waits on the peers cannot
-        deadlock with them."""
+        """Stop the followers and leave the group (idempotent). Every rank drops its CUDA
+        graphs and waits for its device first; rank 0 leaves before it waits for the
+        followers to exit, so a teardown that waits on the peers cannot deadlock with them."""
         for conn in self._conns:
             try:
                 conn.send(("close",))
             except (BrokenPipeError, OSError):
                 pass
+        local = self.__dict__.get("local")
+        if local is not None:
+            local.release_graphs()
         destroy_tensor_parallel()
         for proc in self._procs:
             proc.join(timeout=30)

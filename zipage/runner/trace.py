@@ -10,10 +10,13 @@ are read once, at the end.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The sorted, disjoint intervals covering ``intervals``."""
     merged: list[list[float]] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -23,31 +26,40 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def _overlap(interval: tuple[float, float], union: list[tuple[float, float]]) -> float:
-    start, end = interval
-    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in union)
+class _Cover:
+    """A union of intervals that answers how much of an interval it covers in O(log n + k)
+    (a run records tens of thousands of steps and thousands of compressions)."""
 
+    def __init__(self, intervals: list[tuple[float, float]]):
+        self.union = _union(intervals)
+        self.ends = [b for _, b in self.union]
 
-def _length(union: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in union)
+    def overlap(self, start: float, end: float) -> float:
+        total, i = 0.0, bisect.bisect_right(self.ends, start)  # the first interval ending after start
+        while i < len(self.union) and self.union[i][0] < end:
+            a, b = self.union[i]
+            total += min(end, b) - max(start, a)
+            i += 1
+        return total
+
+    def length(self) -> float:
+        return sum(b - a for a, b in self.union)
 
 
 def timeline_summary(steps: list[tuple[float, float]], compressions: list[tuple[float, float]]) -> dict:
     """Idle and overlap figures (seconds) from step and compression intervals (seconds)."""
     if not steps:
         return {}
-    step_union = _union(steps)
-    busy = _union(steps + compressions)
-    span = max(b for _, b in busy) - min(a for a, _ in busy)
+    step_cover, comp_cover, busy = _Cover(steps), _Cover(compressions), _Cover(steps + compressions)
+    span = busy.ends[-1] - busy.union[0][0]
     compression_total = sum(b - a for a, b in compressions)
-    hidden = sum(_overlap(c, step_union) for c in compressions)
-    comp_union = _union(compressions)
-    gaps = [max(0.0, steps[i + 1][0] - steps[i][1]) - _overlap((steps[i][1], steps[i + 1][0]), comp_union)
+    hidden = sum(step_cover.overlap(a, b) for a, b in compressions)
+    gaps = [steps[i + 1][0] - steps[i][1] - comp_cover.overlap(steps[i][1], steps[i + 1][0])
             for i in range(len(steps) - 1) if steps[i + 1][0] > steps[i][1]]
-    overlapped = [b - a for a, b in steps if comp_union and _overlap((a, b), comp_union) > 0]
-    alone = [b - a for a, b in steps if not comp_union or _overlap((a, b), comp_union) == 0]
+    overlapped = [b - a for a, b in steps if comp_cover.overlap(a, b) > 0]
+    alone = [b - a for a, b in steps if comp_cover.overlap(a, b) == 0]
     return dict(
-        gpu_span_s=span, gpu_busy_s=_length(busy), gpu_idle_s=span - _length(busy),
+        gpu_span_s=span, gpu_busy_s=busy.length(), gpu_idle_s=span - busy.length(),
         idle_ms_per_step=1000 * sum(gaps) / len(steps),
         compression_gpu_s=compression_total, compression_hidden_s=hidden,
         compression_hidden_fraction=hidden / compression_total if compression_total else None,
