@@ -19,8 +19,9 @@
 # Measured wall times on an H200 (engine start included): full8k at SCALE=0.75 about 400 s; full16k at
 # SCALE=0.5 about 370 s; zipage8k at 0.75 about 265 s; zipage16k at 0.5 about 200 s; train 535 s
 # (MINUTES=9.2); serve about 200 s per mode (RATES=2,8,inf NREQ=64); eval about 150 s per variant;
-# tp-test hung at engine close before the NCCL abort fix (untried since; ZIPAGE_TP_TIMEOUT_S bounds
-# its engine part); tp-bench at SCALE=0.25 over 170 s per TP size.
+# tp-test 155 s (ZIPAGE_TP_TIMEOUT_S bounds its engine part); tp-bench at SCALE=0.25 about 250 s at
+# TP=2 and 200 s at TP=1. Runs before the GPU trace's summary was made linear spent up to 80 s more
+# after their last step.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$(pwd)
 OUT=${OUT:-out}
