@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from zipage.cli import main as cli_main
 
 
-def test_throughput_benchmark_small_scale_writes_results(tmp_path):
+def test_throughput_benchmark_small_scale_writes_results(tmp_path, capsys):
     out = tmp_path / "throughput"
     code = cli_main(["bench", "throughput", "--shape", "tiny", "--scale", "small", "--device", "cpu",
-                     "--hf-requests", "2", "--modes", "full,zipage,zipage+sync+no-hybrid+budget=48",
-                     "--out", str(out)])
+                     "--hf-requests", "3", "--hf-batch-size", "2",
+                     "--modes", "full,zipage,zipage+sync+no-hybrid+budget=48", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "throughput.json").read_text())
     assert result["benchmark"] == "throughput" and result["workload"]["name"] == "reasoning-8k"
@@ -25,7 +27,13 @@ def test_throughput_benchmark_small_scale_writes_results(tmp_path):
     assert ablation["options"]["budget"] == 48 and not ablation["options"]["hybrid"]
     assert ablation["num_compressions"] > result["modes"]["zipage"]["num_compressions"] > 0
     assert result["modes"]["full"]["num_compressions"] == 0
-    assert result["hf_generate"]["tokens_per_s"] > 0 and "zipage_over_full" in result["ratios"]
+    hf = result["hf_generate"]  # 3 requests in calls of at most 2
+    assert hf["tokens_per_s"] > 0 and hf["requests"] == 3 and hf["batch_size"] == 2
+    assert "zipage_over_full" in result["ratios"]
+    capsys.readouterr()
+    assert cli_main(["bench", "throughput", "--shape", "tiny", "--scale", "small", "--device", "cpu",
+                     "--hf-batch-size", "0"]) != 0
+    assert "--hf-batch-size must be >= 1, got 0" in capsys.readouterr().err
     assert (out / "throughput.png").stat().st_size > 10_000
 
 
@@ -157,3 +165,40 @@ def test_gpu_timeline_summary_matches_brute_force():
             assert abs(got["step_ms_under_compression"] - 1000 * sum(under) / len(under)) < 1e-6
         else:
             assert got["step_ms_under_compression"] is None
+
+
+def test_profile_breakdown_groups_kernels_and_idle_time():
+    from zipage.bench.profile import breakdown, kind_of
+
+    assert kind_of("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
+    assert kind_of("_decode_split_kernel") == "attention" and kind_of("_store_kv_kernel") == "kv store"
+    assert kind_of("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "collective"
+    assert kind_of("triton_red_fused_add_mean_mul_pow_rsqrt_0") == "fused elementwise"
+    assert kind_of("_redundancy_kernel") == "compression" and kind_of("mystery") == "other"
+    # two steps of 10 ms: per step a 4 ms product and a 1 ms kernel overlapping it by 0.5 ms, 2 ms of attention
+    kernels = []
+    for t0 in (0.0, 10_000.0):
+        kernels += [("gemm_a", t0, t0 + 4000), ("triton_poi_fused_0", t0 + 3500, t0 + 4500),
+                    ("_decode_merge_kernel", t0 + 5000, t0 + 7000)]
+    rows = {r["kind"]: r for r in breakdown(kernels, num_steps=2, step_s=0.010)}
+    assert rows["matmul"]["ms_per_step"] == 4.0 and rows["matmul"]["kernels_per_step"] == 1
+    assert rows["attention"]["ms_per_step"] == 2.0 and rows["fused elementwise"]["ms_per_step"] == 1.0
+    assert abs(rows["no kernel running"]["ms_per_step"] - 3.5) < 1e-9  # 10 - (4.5 + 2) busy
+    assert abs(rows["matmul"]["share"] - 0.4) < 1e-9
+    with pytest.raises(ValueError, match="num_steps must be >= 1, got 0"):
+        breakdown(kernels, 0, 0.01)
+
+
+def test_decode_benchmark_profiles_steps(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    code = cli_main(["bench", "decode", "--shape", "tiny", "--batch", "2", "--context", "16", "--steps", "4",
+                     "--modes", "eager", "--device", "cpu", "--block-size", "16", "--profile-steps", "3",
+                     "--out", str(out)])
+    assert code == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    kinds = {r["kind"]: r for r in row["profile"]}
+    assert kinds["matmul"]["kernels_per_step"] > 0 and "no kernel running" in kinds
+    assert all(r["ms_per_step"] >= 0 for r in row["profile"])
+    capsys.readouterr()
+    assert cli_main(["bench", "decode", "--shape", "tiny", "--device", "cpu", "--profile-steps", "-1"]) != 0
+    assert "--profile-steps >= 0 (got -1)" in capsys.readouterr().err

@@ -16,6 +16,7 @@ import time
 import torch
 
 from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S, model_dir_for, print_table, write_json
+from zipage.bench.profile import StepProfiler, breakdown
 
 
 def add_decode_parser(sub) -> None:
@@ -29,6 +30,9 @@ def add_decode_parser(sub) -> None:
     p.add_argument("--modes", default="graphs,eager", help="graphs and/or eager")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--device", default=None)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the timed steps, record this many with torch.profiler and print where the "
+                        "step's time goes, kernels grouped by kind (0: none)")
     p.add_argument("--out", default=None, help="write JSON results here")
     p.set_defaults(func=run_decode_bench)
 
@@ -45,12 +49,15 @@ def _weight_bytes(model) -> int:
 def run_decode_bench(args: argparse.Namespace) -> int:
     from zipage import LLM, SamplingParams
 
+    if args.steps < 3 or args.profile_steps < 0:
+        raise ValueError(f"--steps must be >= 3 (got {args.steps}) and --profile-steps >= 0 "
+                         f"(got {args.profile_steps})")
     model_dir, load_format = model_dir_for(args.model, args.shape, args.arch)
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for mode in args.modes.split(","):
         llm = LLM(model_dir, load_format=load_format, device=args.device, block_size=args.block_size,
-                  max_num_seqs=max(batches), max_model_len=args.context + args.steps + 8,
+                  max_num_seqs=max(batches), max_model_len=args.context + args.steps + args.profile_steps + 8,
                   enforce_eager=(mode == "eager"), enable_prefix_caching=False)
         runner = llm.engine.runner
         spec = runner.spec
@@ -60,15 +67,27 @@ def run_decode_bench(args: argparse.Namespace) -> int:
         for batch in batches:
             for _ in range(batch):
                 prompt = [rng.randrange(runner.vocab_size) for _ in range(args.context)]
-                llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.steps + 1,
-                                                              ignore_eos=True))
+                llm.engine.add_request(prompt, SamplingParams(
+                    temperature=0, max_tokens=args.steps + args.profile_steps + 1, ignore_eos=True))
             decode_times, host_times = [], []
+            profiler, kernels, profiled = None, None, 0
             while llm.engine.has_unfinished_requests():
+                if args.profile_steps and profiler is None and len(decode_times) == args.steps:
+                    profiler = StepProfiler(runner.device)  # the timed steps are done: record the next ones
+                    profiler.start()
                 start = time.perf_counter()
                 _, stats = llm.engine.step()
-                if stats is not None and not stats.is_prefill and stats.num_seqs == batch:
+                if stats is None or stats.is_prefill or stats.num_seqs != batch:
+                    continue
+                if profiler is None:
                     decode_times.append(time.perf_counter() - start)
                     host_times.append(stats.host_s)
+                elif kernels is None:
+                    profiled += 1
+                    if profiled == args.profile_steps:
+                        kernels = profiler.stop()
+            if profiler is not None and kernels is None and profiled:
+                kernels = profiler.stop()
             step = sorted(decode_times[2:])[len(decode_times[2:]) // 2]  # median after warm-up
             host = sorted(host_times[2:])[len(host_times[2:]) // 2]
             mean_context = args.context + args.steps / 2
@@ -78,12 +97,16 @@ def run_decode_bench(args: argparse.Namespace) -> int:
                              host_ms=1000 * host, tokens_per_s=batch / step, roofline_tokens_per_s=batch / floor,
                              roofline_fraction=floor / step))
             print_table(rows[-1:], list(rows[-1]))
+            if kernels is not None:
+                rows[-1]["profile"] = breakdown(kernels, profiled, step)
+                print(f"  where a step's {1000 * step:.2f} ms go ({profiled} steps recorded; times per step):")
+                print_table(rows[-1]["profile"], ["kind", "kernels_per_step", "ms_per_step", "share"])
         del llm, runner
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print()
-    print_table(rows, list(rows[0]))
+    print_table(rows, [c for c in rows[0] if c != "profile"])
     write_json(args.out, dict(benchmark="decode", model=args.model or args.shape, rows=rows,
                               block_size=args.block_size, steps=args.steps))
     return 0

@@ -37,6 +37,9 @@ def add_throughput_parser(sub) -> None:
     add_workload_args(p)
     p.add_argument("--hf-requests", type=int, default=4, help="requests run through transformers (0: none)")
     p.add_argument("--hf-max-tokens", type=int, default=None, help="their output cap (default 256)")
+    p.add_argument("--hf-batch-size", type=int, default=None,
+                   help="requests per generate call (default: all at once; 1: one request at a time, "
+                        "as a script calling generate per prompt does)")
     p.add_argument("--out", default=None, help="directory for throughput.json and throughput.png")
     p.add_argument("--progress-every", type=float, default=30.0, help="seconds between progress lines (0: none)")
     p.set_defaults(func=run_throughput_bench)
@@ -280,26 +283,31 @@ def run_hf(args, settings, model_dir, load_format, requests) -> dict | None:
     model.eval()
     subset = requests[:args.hf_requests]
     new_tokens = min(settings["hf_max_tokens"], min(r.max_tokens for r in subset))
-    width = max(len(r.prompt) for r in subset)
-    ids = torch.zeros(len(subset), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(subset):  # left padding
-        ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
-        mask[i, width - len(r.prompt):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    with torch.no_grad():
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=args.temperature,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-    generated = (out.shape[1] - width) * len(subset)
+    batch_size = args.hf_batch_size or len(subset)
+    generated, elapsed = 0, 0.0
+    for first in range(0, len(subset), batch_size):
+        batch = subset[first:first + batch_size]
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(batch):  # left padding
+            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=args.temperature,
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed += time.perf_counter() - start
+        generated += (out.shape[1] - width) * len(batch)
     del model
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return dict(requests=len(subset), new_tokens_each=new_tokens, tokens_per_s=generated / elapsed)
+    return dict(requests=len(subset), batch_size=batch_size, new_tokens_each=new_tokens,
+                tokens_per_s=generated / elapsed)
 
 
 def plot(results: dict, path: str) -> None:
@@ -353,6 +361,9 @@ def prepare_workload(args: argparse.Namespace):
     print(f"{args.workload} x{scale:g}: {len(requests)} requests, {sum(r.max_tokens for r in requests)} output "
           f"tokens, peak KV demand {demand} tokens ({demand / cache_tokens:.2f} x the cache); KV cache "
           f"{'whole GPU' if args.whole_gpu else f'{cache_tokens} tokens'}")
+    hf_batch_size = getattr(args, "hf_batch_size", None)  # the replay shares this and has no such option
+    if hf_batch_size is not None and hf_batch_size < 1:
+        raise ValueError(f"--hf-batch-size must be >= 1, got {hf_batch_size}")
     modes = args.modes.split(",")
     for mode in modes:  # reject a bad mode before any run
         mode_options(mode, args, settings)
@@ -379,7 +390,8 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
     if hf:
         for mode, run in results.items():
             ratios[f"{mode}_over_hf"] = run["metrics"]["tokens_per_s"] / hf["tokens_per_s"]
-        print(f"transformers generate: {hf['tokens_per_s']:.1f} tokens/s ({hf['requests']} requests)")
+        print(f"transformers generate: {hf['tokens_per_s']:.1f} tokens/s ({hf['requests']} requests, "
+              f"{hf['batch_size']} per call)")
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
     for mode, run in results.items():
         gpu = run["metrics"]["gpu_timeline"]
