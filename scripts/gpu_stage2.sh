@@ -4,7 +4,9 @@
 # Usage: OUT=results-dir [SCALE=1] [LIMIT=570 seconds] [SHAPE=qwen3-8b] bash scripts/gpu_stage2.sh PART
 #   full8k | zipage8k   reasoning-8k, KV cache capped at 48 GB of Qwen3-8B KV x SCALE, peak demand 2x
 #   full16k | zipage16k the same for reasoning-16k (MODES overrides the Zipage modes, e.g. zipage+sync)
-#   whole8k             Zipage with the whole GPU (no cache cap)
+#   whole8k             Zipage with the whole GPU (no cache cap), 512 requests, MAX_SEQS (default 512) running;
+#                       the replay predicts 505 s of run at SCALE=1 (too long for one call with the start) and
+#                       358 s at SCALE=0.75
 #   sweep-budget        Zipage budget 1024/2048/4096 (block 256), at scale 1/2
 #   sweep-block         Zipage block 64/128 (budget 2048), at scale 1/2
 #   eager               each mode with and without CUDA graphs and fused kernels, medium scale
@@ -41,7 +43,8 @@ run() {
     zipage8k) bench --workload reasoning-8k --modes "${MODES:-zipage}" --hf-requests 0 ;;
     full16k) bench --workload reasoning-16k --modes full --hf-requests 0 ;;
     zipage16k) bench --workload reasoning-16k --modes "${MODES:-zipage}" --hf-requests 0 ;;
-    whole8k) bench --workload reasoning-8k --whole-gpu --num-requests 512 --modes zipage --hf-requests 0 ;;
+    whole8k) bench --workload reasoning-8k --whole-gpu --num-requests 512 --max-num-seqs "${MAX_SEQS:-512}" \
+        --modes zipage --hf-requests 0 ;;
     sweep-budget) bench --workload reasoning-8k --hf-requests 0 \
         --modes zipage+budget=1024,zipage,zipage+budget=4096 ;;
     sweep-block) bench --workload reasoning-8k --hf-requests 0 --modes zipage+block=64,zipage+block=128 ;;

@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from zipage.runner.trace import _union
+from zipage.runner.trace import merge_intervals
 
 # (kind, pattern on the lower-cased kernel or operator name); the first match wins
 KINDS = [
@@ -54,7 +54,7 @@ def breakdown(kernels: list[tuple[str, float, float]], num_steps: int, step_s: f
     rows = [dict(kind=kind, kernels_per_step=count / num_steps, ms_per_step=ms / num_steps,
                  share=ms / num_steps / step_ms if step_ms else None)
             for kind, (count, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])]
-    busy_ms = sum(b - a for a, b in _union([(s, e) for _, s, e in kernels])) / 1000 / num_steps
+    busy_ms = sum(b - a for a, b in merge_intervals([(s, e) for _, s, e in kernels])) / 1000 / num_steps
     rows.append(dict(kind="no kernel running", kernels_per_step=0.0, ms_per_step=max(0.0, step_ms - busy_ms),
                      share=max(0.0, step_ms - busy_ms) / step_ms if step_ms else None))
     return rows

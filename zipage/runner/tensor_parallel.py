@@ -98,10 +98,12 @@ def _follower_main(rank: int, config: EngineConfig, hf_config, port: int, conn) 
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         raise
     finally:
-        if runner is not None:
-            runner.release_graphs()
-        destroy_tensor_parallel()
-        conn.close()
+        try:
+            if runner is not None:
+                runner.release_graphs()
+        finally:  # left even when the device failed
+            destroy_tensor_parallel()
+            conn.close()
 
 
 class ParallelRunner:
@@ -189,16 +191,18 @@ class ParallelRunner:
             except (BrokenPipeError, OSError):
                 pass
         local = self.__dict__.get("local")
-        if local is not None:
-            local.release_graphs()
-        destroy_tensor_parallel()
-        for proc in self._procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-        for conn in self._conns:
-            conn.close()
-        self._conns, self._procs = [], []
+        try:
+            if local is not None:
+                local.release_graphs()
+        finally:  # the group is left and the followers stopped even when the device failed
+            destroy_tensor_parallel()
+            for proc in self._procs:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
+            for conn in self._conns:
+                conn.close()
+            self._conns, self._procs = [], []
 
 
 def make_runner(config: EngineConfig, hf_config):

@@ -15,7 +15,7 @@ import bisect
 import torch
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The sorted, disjoint intervals covering ``intervals``."""
     merged: list[list[float]] = []
     for start, end in sorted(intervals):
@@ -31,7 +31,7 @@ class _Cover:
     (a run records tens of thousands of steps and thousands of compressions)."""
 
     def __init__(self, intervals: list[tuple[float, float]]):
-        self.union = _union(intervals)
+        self.union = merge_intervals(intervals)
         self.ends = [b for _, b in self.union]
 
     def overlap(self, start: float, end: float) -> float:
