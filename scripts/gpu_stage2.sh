@@ -10,6 +10,8 @@
 #   sweep-budget        Zipage budget 1024/2048/4096 (block 256), at scale 1/2
 #   sweep-block         Zipage block 64/128 (budget 2048), at scale 1/2
 #   eager               each mode with and without CUDA graphs and fused kernels, medium scale
+#   profile             decode steps at batch 1/64/256, graphs and eager, with the kernels' time per step by kind
+#   hf                  transformers generate, HF_BATCH (default 1) requests per call, beside 4 full-KV requests
 #   train               train the synthetic-task model (MINUTES, default 9.2; INIT: a checkpoint to start from)
 #   eval                synthetic evaluation of checkpoints/ledger-14m, 200 problems, every policy and budget;
 #                       EVAL picks the variants (default: keep16 keep16pool keep32pool plain16: statement kept
@@ -49,6 +51,10 @@ run() {
         --modes zipage+budget=1024,zipage,zipage+budget=4096 ;;
     sweep-block) bench --workload reasoning-8k --hf-requests 0 --modes zipage+block=64,zipage+block=128 ;;
     eager) SCALE=medium bench --hf-requests 0 --modes full,full+eager,zipage,zipage+eager ;;
+    profile) timeout "$LIMIT" python3 -m zipage.cli bench decode --shape "$SHAPE" --batch 1,64,256 --context 1024 \
+        --steps 32 --modes graphs,eager --profile-steps 8 --out "$dir/decode.json" 2>&1 | grep -v "it/s" ;;
+    hf) bench --workload reasoning-8k --num-requests 4 --modes full --hf-requests "${HF:-4}" \
+        --hf-batch-size "${HF_BATCH:-1}" ;;
     train) timeout "$LIMIT" python3 -m zipage.quality.train --out "$dir" --max-minutes "${MINUTES:-9.2}" \
         --eval-reserve-s 45 ${INIT:+--init-from "$INIT"} \
         2>&1 | grep -v "it/s" ;;
