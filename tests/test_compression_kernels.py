@@ -534,11 +534,14 @@ def test_score_kernels_on_the_compressors_packed_batch():
 def test_engine_with_the_triton_kernels_gives_the_twins_tokens(checkpoint_dir, monkeypatch):
     """A whole engine on the CPU whose compressor runs the Triton kernels (interpreted)
     generates the tokens it generates with the PyTorch twins: the kernels get the
-    engine's own views (packed numbers, block-table slices, layer groups), as on a GPU."""
+    engine's own views (packed numbers, block-table slices, layer groups), as on a GPU.
+    Its KV (and window-query) stores run the Triton store kernel too."""
     require_triton()
     from tests.conftest import make_llm
     from zipage import CompressionConfig, SamplingParams
+    from zipage.attention import torch_backend
     from zipage.compression import executor
+    from zipage.kernels.store_kv import store_kv
     from zipage.runner import model_runner
 
     class TritonCompressor(executor.Compressor):
@@ -555,6 +558,7 @@ def test_engine_with_the_triton_kernels_gives_the_twins_tokens(checkpoint_dir, m
     for kernels in ("twins", "triton"):
         if kernels == "triton":  # the runner builds its compressor from this name
             monkeypatch.setattr(model_runner, "Compressor", TritonCompressor)
+            monkeypatch.setattr(torch_backend, "store_kv_torch", store_kv)
         with make_llm(model_dir, block_size=16, max_model_len=256, device="cpu",
                       compression=CompressionConfig(max_blocks_per_seq=3, window=8, layer_group=1)) as llm:
             outputs = llm.generate(prompts, params, use_tqdm=False)

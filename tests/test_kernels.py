@@ -187,6 +187,32 @@ def test_store_kv(use_triton, slot_dtype, dtype):
     assert torch.equal(v_cache, v_expected)
 
 
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_with_queries(use_triton, dtype):
+    """With compression the same launch writes each token's query heads to its window row
+    (rows outside a window name the spare last row), padding rows' keys still skipped."""
+    if use_triton:
+        require_triton()
+    num_heads, window, slots_count = 4, 3, 2
+    key, value, k_cache, v_cache, slots = make_store_inputs(dtype, torch.int64)
+    num_tokens = key.shape[0]
+    qkv = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * HEAD_DIM).to(dtype)
+    query = qkv[:, :num_heads * HEAD_DIM].view(num_tokens, num_heads, HEAD_DIM)  # strided, like the model's
+    query_cache = torch.randn(slots_count * window + 1, num_heads, HEAD_DIM).to(dtype)
+    spare = slots_count * window
+    rows = torch.tensor([4, spare, 0, 5, spare, 2, spare])
+    k_expected, v_expected = expected_after_store(key, value, k_cache, v_cache, slots)
+    q_expected = query_cache.clone()
+    for token, row in enumerate(rows.tolist()):
+        q_expected[row] = query[token]
+    (store_kv if use_triton else store_kv_torch)(key, value, k_cache, v_cache, slots, query, query_cache, rows)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    # the spare row takes whichever of its tokens came last; every other row is exact
+    assert torch.equal(query_cache[:spare], q_expected[:spare])
+    assert any(torch.equal(query_cache[spare], query[t]) for t in range(num_tokens) if rows[t] == spare)
+
+
 # ---------------------------------------------------------------- decode
 
 

@@ -17,7 +17,10 @@ from zipage.attention.metadata import AttentionMetadata
 class AttentionBackend:
     name = "base"
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None,
+                 query_slots=None) -> None:
+        """Keys and values into their cache slots; with compression also the queries into
+        their observation-window rows."""
         raise NotImplementedError
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

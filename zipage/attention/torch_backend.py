@@ -13,8 +13,8 @@ from zipage.kernels.store_kv import store_kv_torch
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping):
-        store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None):
+        store_kv_torch(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
         return paged_prefill_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,

@@ -50,8 +50,8 @@ class TritonBackend(AttentionBackend):
         available = varlen_attn is not None
         self.use_flash_prefill = available if use_flash_prefill is None else use_flash_prefill and available
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping):
-        store_kv(key, value, k_cache, v_cache, slot_mapping)
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None):
+        store_kv(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
         flash_ok = (self.use_flash_prefill and not meta.has_cached_prefix and q.dtype != torch.float32

@@ -1,8 +1,11 @@
-"""Write new keys and values into the paged KV cache.
+"""Write new keys and values into the paged KV cache (and, with compression, the
+step's queries into the observation-window cache, in the same launch).
 
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim]; token slot s
 lives at block s // block_size, offset s % block_size. A negative slot marks a
-padding row (CUDA graphs) whose key and value are not stored.
+padding row (CUDA graphs) whose key and value are not stored. Query rows go to
+query_cache[query_slots[i]] ([rows, num_heads, head_dim]); tokens outside any
+window name the cache's spare last row.
 """
 
 import torch
@@ -31,17 +34,35 @@ if triton is not None:
         cache_stride_slot,
         cache_stride_head,
         num_kv_heads,
+        query_ptr,
+        query_cache_ptr,
+        query_slots_ptr,
+        query_stride_token,
+        query_stride_head,
+        query_cache_stride_row,
+        query_cache_stride_head,
+        num_heads,
         PAGE_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         HEADS_PAD: tl.constexpr,
+        HAS_QUERY: tl.constexpr,
+        QUERY_HEADS_PAD: tl.constexpr,
     ):
-        """One program per token: copies all its KV heads into the cache slot."""
+        """One program per token: copies all its KV heads into the cache slot (and its
+        query heads into its query-cache row)."""
         token = tl.program_id(0).to(tl.int64)
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        if HAS_QUERY:
+            q_heads = tl.arange(0, QUERY_HEADS_PAD)[:, None]
+            q_mask = q_heads < num_heads
+            row = tl.load(query_slots_ptr + token).to(tl.int64)
+            query = tl.load(query_ptr + token * query_stride_token + q_heads * query_stride_head + dims, mask=q_mask)
+            tl.store(query_cache_ptr + row * query_cache_stride_row + q_heads * query_cache_stride_head + dims,
+                     query, mask=q_mask)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot < 0:
             return
         heads = tl.arange(0, HEADS_PAD)[:, None]
-        dims = tl.arange(0, HEAD_DIM)[None, :]
         head_mask = heads < num_kv_heads
         key = tl.load(key_ptr + token * key_stride_token + heads * key_stride_head + dims, mask=head_mask)
         value = tl.load(value_ptr + token * value_stride_token + heads * value_stride_head + dims, mask=head_mask)
@@ -56,25 +77,38 @@ if triton is not None:
         tl.store(v_cache_ptr + cache_offsets, value, mask=head_mask)
 
 
-def _check_args(key, value, k_cache, v_cache, slot_mapping):
+def _check_args(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None):
     assert key.shape == value.shape and key.dim() == 3
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
     assert key.shape[1:] == k_cache.shape[2:]
     assert slot_mapping.shape == key.shape[:1]
+    assert (query is None) == (query_cache is None) == (query_slots is None), "query, its cache and slots go together"
+    if query is not None:
+        assert query.dim() == 3 and query.shape[0] == key.shape[0] and query.shape[2] == key.shape[2]
+        assert query_cache.shape[1:] == query.shape[1:] and query_slots.shape == key.shape[:1]
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping):
-    """Store key[i] / value[i] ([num_tokens, kv_heads, head_dim]) at cache slot slot_mapping[i].
+def store_kv(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None):
+    """Store key[i] / value[i] ([num_tokens, kv_heads, head_dim]) at cache slot slot_mapping[i],
+    and, when given, query[i] ([num_tokens, heads, head_dim]) at query_cache[query_slots[i]].
 
-    key and value may be strided views (e.g. slices of a fused qkv output) as
-    long as the last dimension is contiguous. Slots < 0 are skipped.
+    key, value and query may be strided views (e.g. slices of a fused qkv output) as
+    long as the last dimension is contiguous. Slots < 0 are skipped (query slots are
+    all written: rows outside a window point at a spare row).
     """
-    _check_args(key, value, k_cache, v_cache, slot_mapping)
+    _check_args(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots)
     num_tokens, num_kv_heads, head_dim = key.shape
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
     assert key.stride(2) == 1 and value.stride(2) == 1 and k_cache.stride(3) == 1
+    has_query = query is not None
+    if has_query:
+        assert query.stride(2) == 1 and query_cache.stride(2) == 1
+        assert query_slots.is_contiguous(), "query_slots is read as a dense array"
+    assert slot_mapping.is_contiguous(), "slot_mapping is read as a dense array"
     if num_tokens == 0:
         return
+    if not has_query:  # placeholders, never read
+        query, query_cache, query_slots = key, k_cache, slot_mapping
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -89,15 +123,27 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping):
         k_cache.stride(1),
         k_cache.stride(2),
         num_kv_heads,
+        query,
+        query_cache,
+        query_slots,
+        query.stride(0),
+        query.stride(1),
+        query_cache.stride(0),
+        query_cache.stride(1),
+        query.shape[1],
         PAGE_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HAS_QUERY=has_query,
+        QUERY_HEADS_PAD=triton.next_power_of_2(query.shape[1]),
     )
 
 
-def store_kv_torch(key, value, k_cache, v_cache, slot_mapping):
+def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None):
     """PyTorch twin of store_kv (same arguments and semantics)."""
-    _check_args(key, value, k_cache, v_cache, slot_mapping)
+    _check_args(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots)
+    if query is not None:
+        query_cache.index_copy_(0, query_slots.long(), query.to(query_cache.dtype))
     num_kv_heads, head_dim = key.shape[1:]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

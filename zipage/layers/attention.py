@@ -25,9 +25,11 @@ class Attention(nn.Module):
         meta = get_attention_metadata()
         if self.k_cache.numel() == 0:  # memory profiling run, before the cache exists
             return dense_causal_attention(q, k, v, meta.cu_seqlens_q.tolist(), self.scale)
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if meta.query_slots is not None:  # observation window for compression
-            self.query_cache.index_copy_(0, meta.query_slots, q)
+        if meta.query_slots is not None:  # with compression: q into the observation window, same launch
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                  q, self.query_cache, meta.query_slots)
+        else:
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_prefill:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)
