@@ -102,7 +102,9 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache
     assert key.stride(2) == 1 and value.stride(2) == 1 and k_cache.stride(3) == 1
     has_query = query is not None
     if has_query:
-        assert query.stride(2) == 1 and query_cache.stride(2) == 1
+        if query.stride(2) != 1:  # a layout the model may hand over; the kernel reads rows of head_dim
+            query = query.contiguous()
+        assert query_cache.stride(2) == 1
         assert query_slots.is_contiguous(), "query_slots is read as a dense array"
     assert slot_mapping.is_contiguous(), "slot_mapping is read as a dense array"
     if num_tokens == 0:
