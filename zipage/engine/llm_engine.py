@@ -211,8 +211,8 @@ class LLMEngine:
             stats.compression_s = time.perf_counter() - scheduled
         token_ids = []
         if batch.seqs:
-            kwargs = {} if async_callback is None else {"async_callback": async_callback}
-            token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids, **kwargs)
+            token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids,
+                                            async_callback=async_callback)
         if not batch.is_prefill:
             stats.kv_tokens = sum(seq.kv_len for seq in batch.seqs) + len(batch.seqs)
         outputs = []
