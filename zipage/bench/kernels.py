@@ -58,6 +58,36 @@ def _paged_problem(batch, context, block_size, heads, kv_heads, head_dim, dtype,
     return k, v, tables.to(device=device, dtype=torch.int32), lens.to(device)
 
 
+def _decode_store_rows(k, v, heads, block_size, window=16) -> list[dict]:
+    """The KV store at decode sizes, without and with the window queries a Zipage step also
+    writes: each checked to equal its twin exactly (a copy), then timed."""
+    from zipage.kernels.store_kv import store_kv, store_kv_torch
+
+    rows = []
+    _, _, kvh, d = k.shape
+    for tokens in (64, 256):
+        gen = torch.Generator(device=k.device).manual_seed(tokens)
+        key, value = (torch.randn(tokens, kvh, d, generator=gen, device=k.device, dtype=k.dtype) for _ in range(2))
+        query = torch.randn(tokens, heads, d, generator=gen, device=k.device, dtype=k.dtype)
+        slots = torch.randperm(k.shape[0] * block_size, generator=gen, device=k.device)[:tokens]
+        query_cache = torch.zeros(tokens * window + 1, heads, d, device=k.device, dtype=k.dtype)
+        query_slots = torch.randperm(query_cache.shape[0], generator=gen, device=k.device)[:tokens]
+        for with_query in (False, True):
+            extra = (query, query_cache, query_slots) if with_query else ()
+            outputs = []
+            for fn in (store_kv, store_kv_torch):
+                caches = [t.clone() for t in (k, v, query_cache)]
+                fn(key, value, caches[0], caches[1], slots, *((query, caches[2], query_slots) if with_query else ()))
+                outputs.append(caches)
+            exact = all(torch.equal(a, b) for a, b in zip(*outputs))
+            ms = _time_ms(lambda: store_kv(key, value, k, v, slots, *extra))
+            moved = (4 * key.numel() + (2 * query.numel() if with_query else 0)) * k.dtype.itemsize
+            rows.append(dict(kernel="store_kv+query" if with_query else "store_kv_decode", block_size=block_size,
+                             batch=tokens, equals_twin=exact, us=1000 * ms, tb_per_s=moved / ms / 1e9))
+            print_table(rows[-1:], list(rows[-1]))
+    return rows
+
+
 def run_kernel_bench(args: argparse.Namespace) -> int:
     from zipage.kernels.paged_decode import paged_decode_attention, paged_decode_attention_torch
     from zipage.kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_torch
@@ -106,9 +136,10 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
         rows.append(dict(kernel="store_kv", block_size=block_size, batch=tokens, us=1000 * ms,
                          tb_per_s=moved / ms / 1e9))
         print_table(rows[-1:], list(rows[-1]))
+        rows += _decode_store_rows(k, v, h, block_size)
     write_json(args.out, dict(benchmark="kernels", rows=rows, heads=h, kv_heads=kvh, head_dim=d))
     print()
-    for kind in ("paged_decode", "paged_prefill", "store_kv"):
+    for kind in ("paged_decode", "paged_prefill", "store_kv", "store_kv_decode", "store_kv+query"):
         subset = [r for r in rows if r["kernel"] == kind]
         print_table(subset, list(subset[0]))
     return 0

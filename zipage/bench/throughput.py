@@ -358,9 +358,11 @@ def prepare_workload(args: argparse.Namespace):
         requests = requests_for_demand(args.workload, 2 * cache_tokens, vocab, args.seed, scale,
                                        args.samples_per_prompt)
     demand = peak_kv_demand(requests)
+    # With the whole GPU the cache's size is known only once the engine is built.
+    cache = "KV cache the whole GPU" if args.whole_gpu else \
+        f"{demand / cache_tokens:.2f} x the cache; KV cache {cache_tokens} tokens"
     print(f"{args.workload} x{scale:g}: {len(requests)} requests, {sum(r.max_tokens for r in requests)} output "
-          f"tokens, peak KV demand {demand} tokens ({demand / cache_tokens:.2f} x the cache); KV cache "
-          f"{'whole GPU' if args.whole_gpu else f'{cache_tokens} tokens'}")
+          f"tokens, peak KV demand {demand} tokens ({cache})")
     hf_batch_size = getattr(args, "hf_batch_size", None)  # the replay shares this and has no such option
     if hf_batch_size is not None and hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {hf_batch_size}")
