@@ -113,8 +113,10 @@ def test_engine_matches_reference_simulation(checkpoint_dir, arch, redundancy, k
     config = CompressionConfig(max_blocks_per_seq=4, window=8, redundancy=redundancy, attention_sink=2,
                                keep_prompt=keep_prompt,
                                asynchronous=False)  # a compressed request decodes in the same step
-    # eager: the logits are captured from compute_logits, which a CUDA graph replay bypasses
-    llm = make_llm(model_dir, block_size=BLOCK, compression=config, enforce_eager=True)
+    # eager: the logits are captured from compute_logits, which a CUDA graph replay bypasses;
+    # without asynchronous scheduling each step returns its own token, checked in lock step
+    llm = make_llm(model_dir, block_size=BLOCK, compression=config, enforce_eager=True,
+                   async_scheduling=False)
     resolved = llm.config.compression
     engine = llm.engine
     model = engine.runner.model

@@ -147,7 +147,9 @@ def test_engine_matches_reference_simulation(checkpoint_dir, name):
     model_dir = checkpoint_dir("qwen3")
     config = CompressionConfig(max_blocks_per_seq=4, window=8, attention_sink=2, policy=name,
                                asynchronous=False)  # a compressed request decodes in the same step
-    llm = make_llm(model_dir, block_size=BLOCK, compression=config, enforce_eager=True)
+    # without asynchronous scheduling each step returns its own token, checked in lock step
+    llm = make_llm(model_dir, block_size=BLOCK, compression=config, enforce_eager=True,
+                   async_scheduling=False)
     engine = llm.engine
     model = engine.runner.model
     captured = []

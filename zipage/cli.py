@@ -19,6 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before scheduling the next one")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -43,7 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                seed=args.seed, load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size)
+                async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -54,8 +54,13 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: max(8192, max_model_len)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # Schedule and launch each step before the previous one's tokens reach the host, so the
+    # host's work hides under the device's (one runner process; tensor parallelism runs in step).
+    async_scheduling: bool = True
 
     def __post_init__(self):
+        _check(isinstance(self.async_scheduling, bool),
+               f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         _check(_is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 65536,
                f"max_num_seqs must be an integer in [1, 65536], got {self.max_num_seqs!r}")
         _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),

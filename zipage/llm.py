@@ -100,18 +100,20 @@ class LLM:
             while pending:
                 start = time.perf_counter()
                 finished, stats = self.engine.step()
-                if stats is None:
-                    raise RuntimeError("the engine has unfinished requests but scheduled nothing")
                 elapsed = time.perf_counter() - start
-                if stats.is_prefill:
-                    prefill_rate = stats.num_tokens / elapsed
-                else:
-                    decode_rate = stats.num_tokens / elapsed
                 for out in finished:
                     if out.request_id in pending:
                         pending.discard(out.request_id)
                         results[out.request_id] = out
                         bar.update(1)
+                if stats is None:  # nothing launched: the step only collected the last one's tokens
+                    if pending and not finished:
+                        raise RuntimeError("the engine has unfinished requests but scheduled nothing")
+                    continue
+                if stats.is_prefill:
+                    prefill_rate = stats.num_tokens / elapsed
+                else:
+                    decode_rate = stats.num_tokens / elapsed
                 bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s",
                                 refresh=False)
         except BaseException:

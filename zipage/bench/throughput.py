@@ -95,7 +95,7 @@ def _weight_bytes(model) -> int:
     return total - (embed.numel() * embed.element_size() if embed is not model.lm_head.weight else 0)
 
 
-MODIFIERS = "sync, async, no-hybrid, no-prefix, raw, no-redundancy, eager, budget=N, block=N"
+MODIFIERS = "sync, async, no-hybrid, no-prefix, raw, no-redundancy, eager, step-sync, budget=N, block=N"
 
 
 def mode_options(mode: str, args, settings: dict) -> dict:
@@ -109,10 +109,12 @@ def mode_options(mode: str, args, settings: dict) -> dict:
     asynchronous = CompressionConfig.asynchronous if args.asynchronous is None else args.asynchronous
     opts = dict(compress=base == "zipage", asynchronous=asynchronous, hybrid=not args.no_hybrid,
                 prefix_caching=not args.no_prefix_caching, redundancy=args.redundancy,
-                enforce_eager=args.enforce_eager, budget=settings["budget"], block_size=settings["block_size"])
+                enforce_eager=args.enforce_eager, budget=settings["budget"], block_size=settings["block_size"],
+                async_scheduling=True)
     flags = {"sync": ("asynchronous", False), "async": ("asynchronous", True), "no-hybrid": ("hybrid", False),
              "no-prefix": ("prefix_caching", False), "raw": ("redundancy", "raw"),
-             "no-redundancy": ("redundancy", "off"), "eager": ("enforce_eager", True)}
+             "no-redundancy": ("redundancy", "off"), "eager": ("enforce_eager", True),
+             "step-sync": ("async_scheduling", False)}
     for m in modifiers:
         name, _, value = m.partition("=")
         if m in flags:
@@ -159,7 +161,7 @@ def engine_kwargs(mode: str, args, settings: dict, model_dir: str, requests, cac
     kwargs = dict(device=args.device, block_size=opts["block_size"],
                   max_num_seqs=args.max_num_seqs, max_model_len=longest + 1, compression=compression,
                   enable_prefix_caching=opts["prefix_caching"], enforce_eager=opts["enforce_eager"],
-                  seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+                  async_scheduling=opts["async_scheduling"], seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     if not args.whole_gpu:
         spec = rank_spec(model_dir, args.tensor_parallel_size)
         kwargs["kv_cache_memory_bytes"] = cache_tokens * _kv_bytes_per_token(spec, dtype)
@@ -204,6 +206,9 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
         finished, stats = engine.step()
         now = time.perf_counter()
         outputs += sum(len(o.outputs[0].token_ids) for o in finished)
+        if stats is None:  # no step launched: only the last one's tokens were collected
+            report.finished += len(finished)
+            continue
         report.step(now - start, len(finished), stats, engine)
         timeline.append(dict(t=now - start, dt=now - step_start, prefill=stats.is_prefill, seqs=stats.num_seqs,
                              tokens=stats.num_tokens, host_s=stats.host_s, compression_s=stats.compression_s,

@@ -77,6 +77,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.compression,
                                    self.runner.num_query_slots)
         self._in_flight = None  # (runner handle, tasks) of the asynchronous compression batch
+        self.async_scheduling = (config.scheduler.async_scheduling
+                                 and getattr(self.runner, "supports_async_scheduling", False))
+        self._launched = None  # the step in flight whose tokens are not read yet (asynchronous scheduling)
+        self._wait_for_launched = False  # the next schedule needs its tokens (see _count_launched)
         self.stats = EngineStats()
         self._start_time = time.perf_counter()
         self.eos_token_ids = self._eos_token_ids()
@@ -170,25 +174,40 @@ class LLMEngine:
             close()
 
     def has_unfinished_requests(self) -> bool:
+        # A step still in flight when none is unfinished holds only finished requests: its tokens
+        # are dropped whenever it is collected.
         return self.scheduler.has_unfinished()
 
     # -- the loop ---------------------------------------------------------
     def step(self, async_callback: Callable[[], None] | None = None
              ) -> tuple[list[RequestOutput], StepStats | None]:
-        """Run one step; return the step's outputs and numbers.
+        """Run one step; return the outputs it completed and the numbers of the step it ran.
 
-        The outputs are those of the requests that finished in the step and, for requests
-        added with ``stream=True``, of every request that gained a token: each such output
-        holds only what is new since its previous one (``finished`` marks the last).
+        The outputs are those of the requests that finished and, for requests added with
+        ``stream=True``, of every request that gained a token: each such output holds only
+        what is new since its previous one (``finished`` marks the last).
 
-        ``async_callback``, if given, is called once the step's model run is under way on the
-        device, before the engine waits for its tokens, so that host work (handing the previous
-        step's outputs over, say) overlaps with the device's; it is not called if the step runs
-        no model (nothing scheduled).
+        With asynchronous scheduling (the default where the runner allows it) a step is
+        scheduled and launched before the previous step's tokens are read, and returns that
+        previous step's outputs; the step it launches stays in flight until the next call.
+        The schedule needs only token counts, which the host knows. A request that a stop
+        token or string ends is found one step late; the token sampled for it in the
+        meantime is dropped. Steps return ``None`` numbers when they launched nothing and
+        only collected the step in flight.
+
+        ``async_callback``, if given, is called while the device runs the model (before the
+        engine waits for tokens), so that host work such as handing outputs over overlaps with
+        the device's; it is not called if the step runs no model.
         """
         start = time.perf_counter()
+        outputs: list[RequestOutput] = []
         self._collect_compression(wait=False)
+        if self._launched is not None and self._wait_for_launched:
+            outputs += self._finish_launched()
         batch = self.scheduler.schedule()
+        if batch is None and self._launched is not None:
+            outputs += self._finish_launched()  # its requests may finish and free what the others wait for
+            batch = self.scheduler.schedule()
         if batch is None and self._in_flight is not None:
             self._collect_compression(wait=True)  # nothing else can run until the compaction is done
             batch = self.scheduler.schedule()
@@ -198,7 +217,7 @@ class LLMEngine:
                 raise RuntimeError(f"scheduler made no progress: {len(self.scheduler.running)} running, "
                                    f"{len(self.scheduler.waiting)} waiting, {bm.num_free_blocks}/{bm.num_blocks} "
                                    "blocks free")
-            return [], None
+            return outputs, None
         stats = StepStats(batch.is_prefill, len(batch.seqs), batch.num_tokens, len(batch.preempted),
                           num_compressed=len(batch.compressions), num_running=len(self.scheduler.running))
         scheduled = time.perf_counter()
@@ -209,35 +228,81 @@ class LLMEngine:
             else:
                 self.runner.compress(batch.compressions)
             stats.compression_s = time.perf_counter() - scheduled
-        token_ids = []
+        host_s = scheduled - start
         if batch.seqs:
-            token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids,
-                                            async_callback=async_callback)
-        if not batch.is_prefill:
-            stats.kv_tokens = sum(seq.kv_len for seq in batch.seqs) + len(batch.seqs)
-        outputs = []
-        now = time.perf_counter()
-        for seq, token_id in zip(batch.seqs, token_ids):
+            if self.async_scheduling:
+                previous = self._launched
+                self._launched = self.runner.launch(batch.seqs, batch.is_prefill, self.eos_token_ids,
+                                                    previous=previous)
+                self._count_launched(batch, stats)
+                if async_callback is not None:
+                    async_callback()
+                if previous is not None:
+                    finished_at = time.perf_counter()
+                    outputs += self._finish(previous)
+                    host_s += time.perf_counter() - finished_at
+            else:
+                token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids,
+                                                async_callback=async_callback)
+                self._count_launched(batch, stats)
+                finished_at = time.perf_counter()
+                outputs += self._append_tokens(batch.seqs, token_ids)
+                host_s += time.perf_counter() - finished_at
+        stats.host_s = host_s + self.runner.last_prepare_s
+        self._record(stats)
+        return outputs, stats
+
+    def _count_launched(self, batch, stats: StepStats) -> None:
+        """A launched step's requests hold one more (pending) token, whose KV the step caches.
+
+        The next step waits for this one's tokens (``_wait_for_launched``) when a request
+        reaches its length limit, so that its blocks are free for the next schedule as without
+        asynchronous scheduling, or uses a repetition penalty, which needs every earlier token.
+        """
+        wait = False
+        for seq in batch.seqs:
+            seq.num_pending += 1
+            wait = wait or seq.num_output_tokens >= seq.max_tokens or seq.sampling_params.repetition_penalty != 1.0
             if batch.is_prefill:
-                seq.kv_len = seq.num_tokens
-                if seq.num_output_tokens == 0:
+                seq.kv_len = seq.num_tokens - 1
+                if seq.num_output_tokens == 1:
                     seq.metrics.num_cached_prompt_tokens = seq.num_prefix_hit_tokens
             else:
                 seq.kv_len += 1
                 seq.metrics.peak_blocks = max(seq.metrics.peak_blocks, len(seq.block_table))
-            self.block_manager.register_full_blocks(seq)
+        if not batch.is_prefill:
+            stats.kv_tokens = sum(seq.kv_len for seq in batch.seqs)  # what the step's attention reads
+        self._wait_for_launched = wait
+
+    def _finish_launched(self) -> list[RequestOutput]:
+        launched, self._launched = self._launched, None
+        return self._finish(launched)
+
+    def _finish(self, launched) -> list[RequestOutput]:
+        """Read a launched step's tokens and hand them to their requests."""
+        return self._append_tokens(launched.seqs, self.runner.collect(launched))
+
+    def _append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> list[RequestOutput]:
+        """Give each request its sampled token; stop those that are done; return the outputs."""
+        outputs = []
+        now = time.perf_counter()
+        for seq, token_id in zip(seqs, token_ids):
+            if seq.is_finished:
+                continue  # stopped (or aborted) after this step was launched: the token is dropped
+            seq.num_pending -= 1
             seq.token_ids.append(token_id)
+            self.block_manager.register_full_blocks(seq)
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             reason = self._stop_reason(seq, token_id)
             if reason is not None:
+                if seq.compressing:  # planned for compression before its stop was seen: let that finish
+                    self._collect_compression(wait=True)
                 self.scheduler.finish(seq, *reason)
                 outputs.append(self._output(seq))
             elif seq.request_id in self._streamed:
                 outputs.append(self._partial_output(seq))
-        stats.host_s = scheduled - start + self.runner.last_prepare_s + time.perf_counter() - now
-        self._record(stats)
-        return outputs, stats
+        return outputs
 
     def _collect_compression(self, wait: bool) -> None:
         """Finish the in-flight compression batch if it is done (or, with ``wait``, once it is)."""
@@ -266,12 +331,13 @@ class LLMEngine:
             stop = detok.update(seq.output_token_ids)
             if stop is not None:
                 return "stop", stop
-        if seq.num_output_tokens >= params.min_tokens:
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens  # up to token_id: later ones may be pending
+        if num_output >= params.min_tokens:
             if token_id in params.stop_token_ids:
                 return "stop", token_id
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return "stop", None
-        if seq.num_output_tokens >= seq.max_tokens:
+        if num_output >= seq.max_tokens:
             return "length", None
         return None
 

@@ -22,6 +22,11 @@ class Sequence:
     ``kv_len`` counts the tokens whose keys and values sit in the cache. It equals
     the computed tokens in full-KV mode; compression makes it smaller than the true
     position, which is why positions come from ``num_tokens``, not from ``kv_len``.
+
+    With asynchronous scheduling a step is launched before the previous one's tokens
+    reach the host: ``num_pending`` counts the request's sampled tokens whose values
+    are still on the device. They count in ``num_tokens`` (positions, blocks, stop by
+    length) but are not yet in ``token_ids``.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -38,6 +43,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
         self.num_registered_blocks = 0  # leading blocks entered in the prefix cache
         self.kv_len = 0
+        self.num_pending = 0  # sampled tokens not yet in token_ids (asynchronous scheduling)
         self.num_prefix_hit_tokens = 0  # of the current prefill, served from the prefix cache
         self.kv_is_token_prefix = True  # False once compaction reorders the cache: no prefix caching
         # compression state
@@ -50,11 +56,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Sampled tokens, the pending ones included."""
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

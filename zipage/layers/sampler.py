@@ -108,8 +108,9 @@ class Sampler:
             penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = torch.where(st.seen_tokens, penalised, logits)
         if st.banned_rows is not None:
+            # torch.full, not torch.tensor: a host value copied to the device would wait for its queue
             logits = logits.index_put((st.banned_rows, st.banned_tokens),
-                                      torch.tensor(float("-inf"), device=logits.device))
+                                      torch.full((), float("-inf"), device=logits.device))
         greedy = logits.argmax(dim=-1)
         if st.all_greedy:
             return greedy

@@ -67,6 +67,9 @@ class InputBuilder:
         self.context_lens = HostBuffer((max_num_seqs,), torch.int32, device)
         self.cu_seqlens = HostBuffer((max_num_seqs + 1,), torch.int32, device)
         self.block_tables = HostBuffer((max_num_seqs, max_blocks_per_seq), torch.int32, device)
+        # Asynchronous scheduling: the row of each request's input token among the previous
+        # step's sampled tokens (still on the device), -1 where the host knows it.
+        self.previous_rows = HostBuffer((max_num_seqs,), torch.int64, device)
 
     def _block_tables(self, seqs: list[Sequence]) -> tuple[np.ndarray, int]:
         width = max(len(s.block_table) for s in seqs)
@@ -89,6 +92,7 @@ class InputBuilder:
         cu[0] = 0
         n, max_q, cached = 0, 0, False
         for i, seq in enumerate(seqs):
+            assert seq.num_pending == 0, f"{seq}: a prefill needs every token on the host"
             start, end = seq.num_prefix_hit_tokens, seq.num_tokens
             q_len = end - start
             pos = np.arange(start, end)
@@ -114,7 +118,7 @@ class InputBuilder:
         table, width = self._block_tables(seqs)
         b = len(seqs)
         kv_lens = np.fromiter((s.kv_len for s in seqs), dtype=np.int64, count=b)
-        self.input_ids.np[:b] = [s.token_ids[-1] for s in seqs]
+        self.input_ids.np[:b] = [s.token_ids[-1] for s in seqs]  # a pending token's is patched on the device
         self.positions.np[:b] = [s.num_tokens - 1 for s in seqs]
         self.slot_mapping.np[:b] = table[np.arange(b), kv_lens // bs].astype(np.int64) * bs + kv_lens % bs
         self.context_lens.np[:b] = kv_lens + 1
@@ -123,6 +127,15 @@ class InputBuilder:
             self.query_slots.np[:b] = [self.no_query_row if s.query_slot is None
                                        else s.query_slot * w + (s.num_tokens - 1) % w for s in seqs]
         return StepShape(False, b, b, width, 1, int(kv_lens.max()) + 1, False)
+
+    def previous_tokens(self, input_ids: torch.Tensor, seqs: list[Sequence], rows: dict[Sequence, int],
+                        sampled: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` (on the device) with each pending token taken from ``sampled``, the
+        previous step's tokens on the device, at the request's row ``rows[seq]`` there."""
+        b = len(seqs)
+        self.previous_rows.np[:b] = [rows[s] if s.num_pending else -1 for s in seqs]
+        previous = self.previous_rows.to_device(b)
+        return torch.where(previous >= 0, sampled[previous.clamp(min=0)], input_ids)
 
     def _buffers(self, shape: StepShape) -> dict[str, tuple[HostBuffer, tuple[int, ...]]]:
         """The buffers a step uses and the leading sizes it fills."""
@@ -162,6 +175,13 @@ class InputBuilder:
                            logits_indices=logits_indices, num_seqs=b)
 
 
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied from pinned memory: a copy from pageable
+    memory would first wait for all the work queued on the device (the step in flight)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
 def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[int],
                      device: torch.device) -> SamplingTensors:
     """Per-row sampling settings for ``seqs``; optional parts only when some row uses them."""
@@ -169,20 +189,20 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[i
     all_greedy = all(p.temperature == 0.0 for p in params)
 
     def floats(values):
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return _on_device(values, torch.float32, device)
 
     top_k = top_p = min_p = None
     if not all_greedy:
         if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+            top_k = _on_device([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64, device)
         if any(p.top_p < 1.0 for p in params):
             top_p = floats([p.top_p for p in params])
         if any(p.min_p > 0.0 for p in params):
             min_p = floats([p.min_p for p in params])
     st = SamplingTensors(
         temperatures=floats([p.temperature for p in params]), top_k=top_k, top_p=top_p, min_p=min_p,
-        seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=device),
-        steps=torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.int64, device=device),
+        seeds=_on_device([s.seed for s in seqs], torch.int64, device),
+        steps=_on_device([s.num_output_tokens for s in seqs], torch.int64, device),
         all_greedy=all_greedy)
     if any(p.repetition_penalty != 1.0 for p in params):
         st.repetition_penalty = floats([p.repetition_penalty for p in params])
@@ -200,6 +220,6 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[i
             rows += [i] * len(banned)
             tokens += banned
     if rows:
-        st.banned_rows = torch.tensor(rows, dtype=torch.int64, device=device)
-        st.banned_tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
+        st.banned_rows = _on_device(rows, torch.int64, device)
+        st.banned_tokens = _on_device(tokens, torch.int64, device)
     return st

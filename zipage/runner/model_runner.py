@@ -43,9 +43,32 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
+class LaunchedStep:
+    """A step queued on the device: its requests and its sampled tokens, which are copied
+    to the host as soon as the device has them."""
+
+    def __init__(self, device: torch.device, seqs: list[Sequence], tokens: torch.Tensor):
+        self.seqs = seqs
+        self.tokens = tokens  # on the device: the next step's inputs
+        self.rows = {seq: i for i, seq in enumerate(seqs)}
+        self._host, self._ready = tokens, None
+        if device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def token_ids(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
+
+
 class ModelRunner:
     """One rank's model, caches and step. With tensor parallelism every rank has one
     (``tensor_parallel.py`` drives them); rank ``r`` runs on GPU ``base + r``."""
+
+    supports_async_scheduling = True  # ``launch`` / ``collect``: a step may start before the last one's tokens are read
 
     def __init__(self, config: EngineConfig, hf_config, rank: int = 0):
         self.config = config
@@ -108,6 +131,7 @@ class ModelRunner:
                 self.compressor.graphs = CompressionGraphs(self.compressor, min(self.num_query_slots, per_batch))
                 self.compressor.graphs.capture()
         self.last_prepare_s = 0.0  # host time of the last step's input preparation
+        self._inputs_read: torch.cuda.Event | None = None  # the last step's host-to-device copies are done
         self.compression_stream = None
         self.trace: GpuTrace | None = None
         self.graphs = None
@@ -194,7 +218,6 @@ class ModelRunner:
             return True
         return handle.query()
 
-    @torch.inference_mode()
     def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int],
                 shape: StepShape | None = None, async_callback: Callable[[], None] | None = None) -> list[int]:
         """Run one step for ``seqs`` and return one sampled token id per sequence.
@@ -203,22 +226,43 @@ class ModelRunner:
         ``async_callback``: host work to overlap with the step, called once the step is queued on
         the device and before waiting for its tokens (on the CPU, before the forward).
         """
-        start = time.perf_counter()
-        if shape is None:
-            shape = self.inputs.fill_prefill(seqs) if is_prefill else self.inputs.fill_decode(seqs)
-        inputs = self.inputs.to_device(shape)
-        st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device)
-        self.last_prepare_s = time.perf_counter() - start
         on_cpu = self.device.type == "cpu"
         if async_callback is not None and on_cpu:
             async_callback()  # no device to wait for: let it run alongside the forward's GIL-free ops
+        step = self.launch(seqs, is_prefill, eos_token_ids, shape)
+        if async_callback is not None and not on_cpu:
+            async_callback()  # the device runs the step meanwhile
+        return self.collect(step)
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int],
+               shape: StepShape | None = None, previous: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Queue one step for ``seqs`` on the device without waiting for it; ``collect`` gives
+        its tokens. ``previous``: the step still in flight, whose sampled tokens are the inputs
+        of the requests that have a pending token."""
+        start = time.perf_counter()
+        if self._inputs_read is not None:  # the host buffers are refilled below: their last copies must be done
+            self._inputs_read.synchronize()
+        if shape is None:
+            shape = self.inputs.fill_prefill(seqs) if is_prefill else self.inputs.fill_decode(seqs)
+        inputs = self.inputs.to_device(shape)
+        if previous is not None and not shape.is_prefill:  # a prefill's tokens are all on the host
+            inputs.input_ids = self.inputs.previous_tokens(inputs.input_ids, seqs, previous.rows, previous.tokens)
+        st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device)
+        if self.device.type == "cuda":
+            self._inputs_read = torch.cuda.Event()
+            self._inputs_read.record()
+        self.last_prepare_s = time.perf_counter() - start
         begin = self.trace.mark() if self.trace else None
         token_ids = self.sampler(self.logits(inputs), st)
         if self.trace:
             self.trace.steps.append((begin, self.trace.mark()))
-        if async_callback is not None and not on_cpu:
-            async_callback()  # the device runs the step meanwhile
-        return token_ids.tolist()
+        return LaunchedStep(self.device, seqs, token_ids)
+
+    @staticmethod
+    def collect(step: "LaunchedStep") -> list[int]:
+        """The token ids of a launched step (waits for the device)."""
+        return step.token_ids()
 
     @torch.inference_mode()
     def follow(self, shape: StepShape, arrays: dict) -> None:

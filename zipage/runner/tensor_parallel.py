@@ -112,6 +112,9 @@ class ParallelRunner:
     Everything else (cache sizes, the model, traces) is rank 0's ``ModelRunner``.
     """
 
+    # The followers take each step's input tokens from the host: every step waits for its tokens.
+    supports_async_scheduling = False
+
     def __init__(self, config: EngineConfig, hf_config):
         from zipage.models.registry import spec_from_config
         from zipage.runner.model_runner import ModelRunner
