@@ -25,7 +25,9 @@
 # (MINUTES=9.2); serve about 200 s per mode (RATES=2,8,inf NREQ=64); eval about 150 s per variant;
 # tp-test 155 s (ZIPAGE_TP_TIMEOUT_S bounds its engine part); tp-bench at SCALE=0.25 about 250 s at
 # TP=2 and 200 s at TP=1. Runs before the GPU trace's summary was made linear spent up to 80 s more
-# after their last step.
+# after their last step. With asynchronous scheduling: whole8k at SCALE=0.75 about 395 s, zipage8k
+# at 0.75 about 215 s; sweep-budget at SCALE=0.4 took 545 s on a cold machine (before it); sweep-block
+# at 0.4 needs more than 330 s and eager more than 215 s (both cut short there).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$(pwd)
 OUT=${OUT:-out}

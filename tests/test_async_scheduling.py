@@ -158,3 +158,27 @@ def test_compression_and_preemption_under_a_tiny_cache_match(model_dir, asynchro
         assert sorted(llm.engine.scheduler.free_query_slots) == [0, 1]
     assert runs[True] == runs[False]
     assert stats[True] == stats[False] and sum(stats[True]) > 0
+
+
+def test_host_time_leaves_out_the_wait_for_tokens(model_dir):
+    """A step's host time counts scheduling and bookkeeping, not the wait for the device."""
+    import time
+
+    llm = make_llm(model_dir, block_size=BLOCK, max_model_len=256)
+    runner = llm.engine.runner
+    collect = runner.collect
+
+    def slow_device(step):
+        time.sleep(0.05)
+        return collect(step)
+
+    runner.collect = slow_device
+    for i in range(2):
+        llm.engine.add_request(_prompt(i, 12), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    host = []
+    while llm.engine.has_unfinished_requests():
+        _, stats = llm.engine.step()
+        if stats is not None:
+            host.append(stats.host_s)
+    assert len(host) == 6 and max(host) < 0.05
+    assert_pool_full(llm)

@@ -81,6 +81,7 @@ class LLMEngine:
                                  and getattr(self.runner, "supports_async_scheduling", False))
         self._launched = None  # the step in flight whose tokens are not read yet (asynchronous scheduling)
         self._wait_for_launched = False  # the next schedule needs its tokens (see _count_launched)
+        self._waited_s = 0.0
         self.stats = EngineStats()
         self._start_time = time.perf_counter()
         self.eos_token_ids = self._eos_token_ids()
@@ -200,6 +201,7 @@ class LLMEngine:
         the device's; it is not called if the step runs no model.
         """
         start = time.perf_counter()
+        self._waited_s = 0.0  # of this call, spent waiting for the device's tokens (not host work)
         outputs: list[RequestOutput] = []
         self._collect_compression(wait=False)
         if self._launched is not None and self._wait_for_launched:
@@ -228,7 +230,7 @@ class LLMEngine:
             else:
                 self.runner.compress(batch.compressions)
             stats.compression_s = time.perf_counter() - scheduled
-        host_s = scheduled - start
+        host_s = scheduled - start - self._waited_s
         if batch.seqs:
             if self.async_scheduling:
                 previous = self._launched
@@ -238,9 +240,9 @@ class LLMEngine:
                 if async_callback is not None:
                     async_callback()
                 if previous is not None:
-                    finished_at = time.perf_counter()
+                    finished_at, waited = time.perf_counter(), self._waited_s
                     outputs += self._finish(previous)
-                    host_s += time.perf_counter() - finished_at
+                    host_s += time.perf_counter() - finished_at - (self._waited_s - waited)
             else:
                 token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids,
                                                 async_callback=async_callback)
@@ -279,8 +281,11 @@ class LLMEngine:
         return self._finish(launched)
 
     def _finish(self, launched) -> list[RequestOutput]:
-        """Read a launched step's tokens and hand them to their requests."""
-        return self._append_tokens(launched.seqs, self.runner.collect(launched))
+        """Read a launched step's tokens (waiting for the device) and hand them to their requests."""
+        waiting = time.perf_counter()
+        token_ids = self.runner.collect(launched)
+        self._waited_s += time.perf_counter() - waiting
+        return self._append_tokens(launched.seqs, token_ids)
 
     def _append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> list[RequestOutput]:
         """Give each request its sampled token; stop those that are done; return the outputs."""
