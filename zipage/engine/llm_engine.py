@@ -250,6 +250,10 @@ class LLMEngine:
                 finished_at = time.perf_counter()
                 outputs += self._append_tokens(batch.seqs, token_ids)
                 host_s += time.perf_counter() - finished_at
+        elif self._launched is not None:
+            # Only compressions this step: read the step in flight now, since a request this schedule
+            # preempted may be readmitted (prefilled from all its tokens) by the next one.
+            outputs += self._finish_launched()
         stats.host_s = host_s + self.runner.last_prepare_s
         self._record(stats)
         return outputs, stats
@@ -264,7 +268,8 @@ class LLMEngine:
         wait = False
         for seq in batch.seqs:
             seq.num_pending += 1
-            wait = wait or seq.num_output_tokens >= seq.max_tokens or seq.sampling_params.repetition_penalty != 1.0
+            wait = (wait or seq.num_output_tokens >= seq.max_tokens
+                    or seq.sampling_params.repetition_penalty != 1.0)
             if batch.is_prefill:
                 seq.kv_len = seq.num_tokens - 1
                 if seq.num_output_tokens == 1:
