@@ -3,7 +3,9 @@
 A decode step of a 36-layer model runs a few hundred small elementwise ops
 (RMSNorm, residual adds, RoPE, SwiGLU, the sampler's noise): each reads and
 writes the whole activation, and at decode sizes each is one launch of a few
-microseconds. Compiled, each group below is one generated kernel.
+microseconds. Compiled, each group below becomes generated kernels; the norms
+and RoPE, which ``torch.compile`` split into several kernels each on an H200,
+are one hand-written Triton kernel per call instead (``kernels/norm_rope.py``).
 
 The functions are plain PyTorch; ``fused`` calls their compiled form only after
 ``enable_fusion(True)`` (the model runner does so on CUDA unless
@@ -28,8 +30,11 @@ def fusion_enabled() -> bool:
     return _enabled
 
 
-def fused(fn):
-    """Run ``fn`` eagerly, or compiled (dynamic shapes) once fusion is on."""
+def fused(fn=None, *, kernel=None):
+    """Run ``fn`` eagerly, or fused once fusion is on: by ``kernel`` (a hand-written kernel
+    taking ``fn``'s arguments) where one is given, else by ``fn`` compiled (dynamic shapes)."""
+    if fn is None:
+        return functools.partial(fused, kernel=kernel)
     compiled = None
 
     @functools.wraps(fn)
@@ -37,6 +42,8 @@ def fused(fn):
         nonlocal compiled
         if not _enabled:
             return fn(*args)
+        if wrapper.kernel is not None:
+            return wrapper.kernel(*args)
         if compiled is None:
             # Each distinct model (dtype, head layout) costs a recompile; a process that builds many
             # (the tests) needs more than dynamo's default of 8 before it falls back to eager.
@@ -45,4 +52,5 @@ def fused(fn):
         return compiled(*args)
 
     wrapper.eager = fn
+    wrapper.kernel = kernel
     return wrapper

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zipage.kernels import norm_rope
 from zipage.layers.fusion import fused
+
+_KERNELS = norm_rope.AVAILABLE  # fused on CUDA by one Triton kernel per call
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -15,12 +18,12 @@ def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * x.to(dtype)
 
 
-@fused
+@fused(kernel=norm_rope.rms_norm_triton if _KERNELS else None)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_eager(x, weight, eps)
 
 
-@fused
+@fused(kernel=norm_rope.add_rms_norm_triton if _KERNELS else None)
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """``(norm(x + residual), x + residual)``."""
     x = x + residual
