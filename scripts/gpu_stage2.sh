@@ -11,6 +11,8 @@
 #   sweep-block         Zipage block 64/128 (budget 2048), at scale 1/2
 #   eager               each mode with and without CUDA graphs and fused kernels, medium scale
 #   profile             decode steps at batch 1/64/256, graphs and eager, with the kernels' time per step by kind
+#   verify              the engine tests on CUDA (greedy tokens, asynchronous scheduling, compression; the norm
+#                       and RoPE kernels run inside them) and the kernel bench (each kernel against its twin)
 #   hf                  transformers generate, HF_BATCH (default 1) requests per call, beside 4 full-KV requests
 #   train               train the synthetic-task model (MINUTES, default 9.2; INIT: a checkpoint to start from)
 #   eval                synthetic evaluation of checkpoints/ledger-14m, 200 problems, every policy and budget;
@@ -55,6 +57,10 @@ run() {
     eager) SCALE=medium bench --hf-requests 0 --modes full,full+eager,zipage,zipage+eager ;;
     profile) timeout "$LIMIT" python3 -m zipage.cli bench decode --shape "$SHAPE" --batch 1,64,256 --context 1024 \
         --steps 32 --modes graphs,eager --profile-steps 8 --out "$dir/decode.json" 2>&1 | grep -v "it/s" ;;
+    verify) ZIPAGE_TEST_DEVICE=cuda timeout "$LIMIT" python3 -m pytest -q -x -p no:cacheprovider \
+          tests/test_generation.py tests/test_async_scheduling.py tests/test_compression_engine.py 2>&1
+        timeout 150 python3 -m zipage.cli bench kernels --batch 64,256 --context 4096 --block-size 256 \
+          --out "$dir/kernels.json" 2>&1 | grep -v "it/s" ;;
     hf) bench --workload reasoning-8k --num-requests 4 --modes full --hf-requests "${HF:-4}" \
         --hf-batch-size "${HF_BATCH:-1}" ;;
     train) timeout "$LIMIT" python3 -m zipage.quality.train --out "$dir" --max-minutes "${MINUTES:-9.2}" \

@@ -174,6 +174,7 @@ def test_profile_breakdown_groups_kernels_and_idle_time():
     assert kind_of("_decode_split_kernel") == "attention" and kind_of("_store_kv_kernel") == "kv store"
     assert kind_of("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "collective"
     assert kind_of("triton_red_fused_add_mean_mul_pow_rsqrt_0") == "fused elementwise"
+    assert kind_of("_add_rms_norm_kernel") == kind_of("_norm_rope_kernel") == "norm and rope"
     assert kind_of("_redundancy_kernel") == "compression" and kind_of("mystery") == "other"
     # two steps of 10 ms: per step a 4 ms product and a 1 ms kernel overlapping it by 0.5 ms, 2 ms of attention
     kernels = []

@@ -1,8 +1,11 @@
-"""``zipage bench kernels``: the attention kernels against their twins and the copy ceiling.
+"""``zipage bench kernels``: the attention, KV-store, norm and RoPE kernels against their
+twins and the copy ceiling.
 
 Checks each kernel's output against its PyTorch twin on fresh random inputs, then
 times it with CUDA events. The paged-decode kernel must read every K and V byte
-of every request once, so bytes over time is its achieved bandwidth.
+of every request once, so bytes over time is its achieved bandwidth. The small
+elementwise kernels are timed per call inside a CUDA graph (as a decode step runs
+them), beside their ``torch.compile``d twins.
 """
 
 from __future__ import annotations
@@ -88,6 +91,60 @@ def _decode_store_rows(k, v, heads, block_size, window=16) -> list[dict]:
     return rows
 
 
+def _graph_us(fn, calls: int = 100) -> float:
+    """Microseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` back-to-back calls:
+    the kernels' time plus the gaps between them, as a decode step's graph runs them."""
+    fn()  # compiles (Triton, torch.compile) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return 1000 * _time_ms(graph.replay, iters=20) / calls
+
+
+def _elementwise_rows(heads: int, kv_heads: int, head_dim: int, device=torch.device("cuda"),
+                      dtype=torch.bfloat16) -> list[dict]:
+    """The norm and RoPE kernels against their eager twins (error) and their ``torch.compile``d
+    form (time per call inside a CUDA graph), at decode sizes (hidden size ``heads * head_dim``)."""
+    from zipage.kernels.norm_rope import add_rms_norm_triton, norm_rope_triton
+    from zipage.layers.norm import add_rms_norm
+    from zipage.layers.rotary import norm_and_apply_rope
+
+    hidden, eps = heads * head_dim, 1e-6
+    compiled_norm = torch.compile(add_rms_norm.eager, dynamic=True)
+    compiled_rope = torch.compile(norm_and_apply_rope.eager, dynamic=True)
+    rows = []
+    for tokens in (64, 256):
+        gen = torch.Generator(device=device).manual_seed(tokens)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+        x, residual, weight = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
+        norm_args = (x, residual, weight, eps)
+        out = add_rms_norm_triton(*norm_args)
+        twin = add_rms_norm.eager(*norm_args)
+        rows.append(dict(kernel="add_rms_norm", tokens=tokens, rel_err=max(_rel_err(a, b) for a, b in zip(out, twin)),
+                         triton_us=_graph_us(lambda: add_rms_norm_triton(*norm_args)),
+                         compiled_us=_graph_us(lambda: compiled_norm(*norm_args))))
+        print_table(rows[-1:], list(rows[-1]))
+        qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim)
+        q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+        positions = torch.randint(0, 4096, (tokens,), device=device)
+        angles = torch.rand(4096, head_dim // 2, device=device) * 6.3
+        cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        rope_args = (positions, q, k, cos_sin, randn(head_dim), randn(head_dim), eps)
+        out = norm_rope_triton(*rope_args)
+        twin = norm_and_apply_rope.eager(*rope_args)
+        rows.append(dict(kernel="qk_norm_rope", tokens=tokens, rel_err=max(_rel_err(a, b) for a, b in zip(out, twin)),
+                         triton_us=_graph_us(lambda: norm_rope_triton(*rope_args)),
+                         compiled_us=_graph_us(lambda: compiled_rope(*rope_args))))
+        print_table(rows[-1:], list(rows[-1]))
+    return rows
+
+
 def run_kernel_bench(args: argparse.Namespace) -> int:
     from zipage.kernels.paged_decode import paged_decode_attention, paged_decode_attention_torch
     from zipage.kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_torch
@@ -137,9 +194,11 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
                          tb_per_s=moved / ms / 1e9))
         print_table(rows[-1:], list(rows[-1]))
         rows += _decode_store_rows(k, v, h, block_size)
+    rows += _elementwise_rows(h, kvh, d)
     write_json(args.out, dict(benchmark="kernels", rows=rows, heads=h, kv_heads=kvh, head_dim=d))
     print()
-    for kind in ("paged_decode", "paged_prefill", "store_kv", "store_kv_decode", "store_kv+query"):
+    for kind in ("paged_decode", "paged_prefill", "store_kv", "store_kv_decode", "store_kv+query", "add_rms_norm",
+                 "qk_norm_rope"):
         subset = [r for r in rows if r["kernel"] == kind]
         print_table(subset, list(subset[0]))
     return 0

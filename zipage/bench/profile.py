@@ -24,6 +24,7 @@ KINDS = [
     ("attention", r"decode_split|decode_merge|prefill_kernel|flash|attention|sdpa"),
     ("kv store", r"store_kv"),
     ("matmul", r"gemm|gemv|cutlass|cublas|nvjet|xmma|matmul|aten::mm$|aten::addmm|aten::bmm|aten::linear"),
+    ("norm and rope", r"add_rms_norm_kernel|norm_rope_kernel"),  # kernels/norm_rope.py
     ("fused elementwise", r"^triton_"),
     ("elementwise, unfused", r"elementwise|reduce_kernel|^aten::(to|mul|add|sub|div|pow|mean|rsqrt|silu|neg|exp|"
                              r"sum|max|min|where|lt|gt|ge|le|clone|embedding|index|arange|floor_divide|softmax)$"),
