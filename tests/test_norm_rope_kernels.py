@@ -64,11 +64,11 @@ def test_rms_norm_kernels_match_twin_and_reference(dtype, hidden, tokens):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
-def test_norm_rope_kernel_matches_twins_and_reference(dtype, heads, kv_heads):
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 32), (4, 4, 16), (5, 1, 48)])
+def test_norm_rope_kernel_matches_twins_and_reference(dtype, heads, kv_heads, head_dim):
     require_triton()
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    tokens, head_dim = 9, 32
+    tokens = 9
     qkv = _randn(gen, tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)  # strided views, as in the model

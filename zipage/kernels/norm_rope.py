@@ -56,28 +56,28 @@ if triton is not None:
         tl.store(out_ptr + row * hidden + cols, out, mask=mask)
 
     @triton.jit
-    def _rotate_heads(x_ptr, x_stride_token, x_stride_head, out_ptr, token, num_heads, weight_ptr, cos, sin, eps,
-                      HAS_NORM: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
-        """RMSNorm (optional) then RoPE of every head of one token; ``out`` is [tokens, heads, 2 * HALF]."""
+    def _rotate_heads(x_ptr, x_stride_token, x_stride_head, out_ptr, token, num_heads, half, weight_ptr, cos, sin,
+                      eps, HAS_NORM: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+        """RMSNorm (optional) then RoPE of every head of one token; ``out`` is [tokens, heads, 2 * half]."""
         heads = tl.arange(0, HEADS_PAD)[:, None]
-        dims = tl.arange(0, HALF)[None, :]
-        mask = heads < num_heads
+        dims = tl.arange(0, HALF_PAD)[None, :]
+        mask = (heads < num_heads) & (dims < half)
         base = x_ptr + token * x_stride_token + heads * x_stride_head + dims
         x1 = tl.load(base, mask=mask, other=0.0)
-        x2 = tl.load(base + HALF, mask=mask, other=0.0)
+        x2 = tl.load(base + half, mask=mask, other=0.0)
         dtype = x1.dtype
         if HAS_NORM:
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
             square_sum = tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)
-            rstd = tl.rsqrt(square_sum / (2 * HALF) + eps)[:, None]
-            w1 = tl.load(weight_ptr + dims).to(tl.float32)
-            w2 = tl.load(weight_ptr + HALF + dims).to(tl.float32)
+            rstd = tl.rsqrt(square_sum / (2 * half) + eps)[:, None]
+            w1 = tl.load(weight_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
+            w2 = tl.load(weight_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
             x1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
             x2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        out = out_ptr + (token * num_heads + heads) * (2 * HALF) + dims
+        out = out_ptr + (token * num_heads + heads) * (2 * half) + dims
         tl.store(out, (f1 * cos - f2 * sin).to(dtype), mask=mask)
-        tl.store(out + HALF, (f2 * cos + f1 * sin).to(dtype), mask=mask)
+        tl.store(out + half, (f2 * cos + f1 * sin).to(dtype), mask=mask)
 
     @triton.jit
     def _norm_rope_kernel(
@@ -95,22 +95,23 @@ if triton is not None:
         k_stride_head,
         num_heads,
         num_kv_heads,
+        half,
         eps,
         HAS_NORM: tl.constexpr,
         HEADS_PAD: tl.constexpr,
         KV_HEADS_PAD: tl.constexpr,
-        HALF: tl.constexpr,
+        HALF_PAD: tl.constexpr,
     ):
         """One program per token: every query and key head, normed (Qwen3) and rotated."""
         token = tl.program_id(0).to(tl.int64)
         position = tl.load(positions_ptr + token).to(tl.int64)
-        dims = tl.arange(0, HALF)[None, :]
-        cos = tl.load(cos_sin_ptr + position * (2 * HALF) + dims)
-        sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims)
-        _rotate_heads(q_ptr, q_stride_token, q_stride_head, q_out_ptr, token, num_heads, q_weight_ptr, cos, sin,
-                      eps, HAS_NORM, HEADS_PAD, HALF)
-        _rotate_heads(k_ptr, k_stride_token, k_stride_head, k_out_ptr, token, num_kv_heads, k_weight_ptr, cos, sin,
-                      eps, HAS_NORM, KV_HEADS_PAD, HALF)
+        dims = tl.arange(0, HALF_PAD)[None, :]
+        cos = tl.load(cos_sin_ptr + position * (2 * half) + dims, mask=dims < half, other=0.0)
+        sin = tl.load(cos_sin_ptr + position * (2 * half) + half + dims, mask=dims < half, other=0.0)
+        _rotate_heads(q_ptr, q_stride_token, q_stride_head, q_out_ptr, token, num_heads, half, q_weight_ptr, cos,
+                      sin, eps, HAS_NORM, HEADS_PAD, HALF_PAD)
+        _rotate_heads(k_ptr, k_stride_token, k_stride_head, k_out_ptr, token, num_kv_heads, half, k_weight_ptr, cos,
+                      sin, eps, HAS_NORM, KV_HEADS_PAD, HALF_PAD)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,7 +164,7 @@ def norm_rope_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     q = q if q.stride(2) == 1 else q.contiguous()
     k = k if k.stride(2) == 1 else k.contiguous()
     tokens, num_heads, head_dim = q.shape
-    assert k.shape[0] == tokens and k.shape[2] == head_dim and head_dim & (head_dim - 1) == 0
+    assert k.shape[0] == tokens and k.shape[2] == head_dim and head_dim % 2 == 0
     assert cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == head_dim
     has_norm = q_weight is not None
     assert has_norm == (k_weight is not None)
@@ -172,8 +173,8 @@ def norm_rope_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     if tokens:
         _norm_rope_kernel[(tokens,)](
             positions, q, k, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin,
-            q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_heads, k.shape[1], eps,
-            HAS_NORM=has_norm, HEADS_PAD=triton.next_power_of_2(num_heads),
-            KV_HEADS_PAD=triton.next_power_of_2(k.shape[1]), HALF=head_dim // 2,
+            q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_heads, k.shape[1], head_dim // 2,
+            eps, HAS_NORM=has_norm, HEADS_PAD=triton.next_power_of_2(num_heads),
+            KV_HEADS_PAD=triton.next_power_of_2(k.shape[1]), HALF_PAD=triton.next_power_of_2(head_dim // 2),
         )
     return q_out, k_out
