@@ -15,6 +15,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from zipage import CompressionConfig, SamplingParams
 from tests.conftest import assert_pool_full, make_llm
@@ -182,3 +184,33 @@ def test_host_time_leaves_out_the_wait_for_tokens(model_dir):
             host.append(stats.host_s)
     assert len(host) == 6 and max(host) < 0.05
     assert_pool_full(llm)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_workloads_match_the_waiting_engine(model_dir, data):
+    """Random requests (lengths, stop tokens, sampling) under a small cache, with or without
+    compression: both engines give the same outputs and return every block."""
+    from zipage.models.registry import spec_from_config
+    from zipage.runner.kv_cache import bytes_per_block
+    from zipage.utils.loader import load_config
+
+    compress = data.draw(st.booleans(), label="compress")
+    num_blocks = data.draw(st.integers(9, 16), label="blocks")
+    spec = spec_from_config(load_config(model_dir))
+    cache_bytes = num_blocks * bytes_per_block(spec, BLOCK, torch.float32, with_scores=compress)
+    requests = data.draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 90), st.integers(3, 383),
+                                            st.booleans(), st.integers(0, 3)), min_size=2, max_size=6),
+                         label="requests")
+    prompts = [_prompt(100 + i, n) for i, (n, *_) in enumerate(requests)]
+    params = [SamplingParams(temperature=0.9 if sampled else 0.0, seed=i, max_tokens=t,
+                             stop_token_ids=[stop] if stop % 8 == 0 else [], min_tokens=min_tokens)
+              for i, (_, t, stop, sampled, min_tokens) in enumerate(requests)]
+    compression = CompressionConfig(max_blocks_per_seq=3, window=8) if compress else None
+    runs = {}
+    for asynchronous in (False, True):
+        llm = make_llm(model_dir, block_size=BLOCK, max_model_len=128, kv_cache_memory_bytes=cache_bytes,
+                       max_num_seqs=4, async_scheduling=asynchronous, compression=compression)
+        runs[asynchronous] = _summary(llm.generate(prompts, params, use_tqdm=False))
+        assert_pool_full(llm)
+    assert runs[True] == runs[False]
