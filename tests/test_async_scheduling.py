@@ -204,7 +204,7 @@ def test_random_workloads_match_the_waiting_engine(model_dir, data):
                          label="requests")
     prompts = [_prompt(100 + i, n) for i, (n, *_) in enumerate(requests)]
     params = [SamplingParams(temperature=0.9 if sampled else 0.0, seed=i, max_tokens=t,
-                             stop_token_ids=[stop] if stop % 8 == 0 else [], min_tokens=min_tokens)
+                             stop_token_ids=[stop] if stop % 8 == 0 else [], min_tokens=min(min_tokens, t))
               for i, (_, t, stop, sampled, min_tokens) in enumerate(requests)]
     compression = CompressionConfig(max_blocks_per_seq=3, window=8) if compress else None
     runs = {}
