@@ -220,6 +220,16 @@ def test_greedy_rows_return_argmax_in_mixed_batch():
     assert torch.equal(Sampler()(logits, st), greedy)
 
 
+def test_greedy_on_half_precision_logits_is_the_float_argmax():
+    """The all-greedy path takes argmax on the logits as they come: the same token as on their
+    float32 copy, ties (common in bfloat16) included."""
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(32, 500, generator=gen) * 3).to(torch.bfloat16)
+    logits[:, 7] = logits[:, 300] = logits.max() + 1  # a tie for first place in every row
+    tokens = Sampler()(logits, make_tensors([0.0] * 32))
+    assert torch.equal(tokens, logits.float().argmax(dim=-1)) and (tokens == 7).all()
+
+
 def test_sampled_tokens_respect_filters():
     """Whatever the noise, a sampled token lies inside the row's kept set."""
     rng = np.random.default_rng(11)

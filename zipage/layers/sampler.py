@@ -102,6 +102,10 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k, top_p, min_p) -> torch.
 class Sampler:
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         """Next token id of every row [batch] (int64)."""
+        if st.all_greedy and st.repetition_penalty is None and st.banned_rows is None:
+            # Converting to float32 keeps the order (and the first of equal values wins either
+            # way): skip the copy of the whole [batch, vocab] logits.
+            return logits.argmax(dim=-1)
         logits = logits.float()
         if st.repetition_penalty is not None:
             penalty = st.repetition_penalty[:, None]
