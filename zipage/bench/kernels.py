@@ -115,6 +115,13 @@ def _elementwise_rows(heads: int, kv_heads: int, head_dim: int, device=torch.dev
     compiled_norm = torch.compile(add_rms_norm.eager, dynamic=True)
     compiled_rope = torch.compile(norm_and_apply_rope.eager, dynamic=True)
     rows = []
+
+    def compare(name, tokens, kernel, eager, compiled, args):
+        error = max(_rel_err(a, b) for a, b in zip(kernel(*args), eager(*args)))
+        rows.append(dict(kernel=name, tokens=tokens, rel_err=error, triton_us=_graph_us(lambda: kernel(*args)),
+                         compiled_us=_graph_us(lambda: compiled(*args))))
+        print_table(rows[-1:], list(rows[-1]))
+
     for tokens in (64, 256):
         gen = torch.Generator(device=device).manual_seed(tokens)
 
@@ -122,26 +129,16 @@ def _elementwise_rows(heads: int, kv_heads: int, head_dim: int, device=torch.dev
             return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
 
         x, residual, weight = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
-        norm_args = (x, residual, weight, eps)
-        out = add_rms_norm_triton(*norm_args)
-        twin = add_rms_norm.eager(*norm_args)
-        rows.append(dict(kernel="add_rms_norm", tokens=tokens, rel_err=max(_rel_err(a, b) for a, b in zip(out, twin)),
-                         triton_us=_graph_us(lambda: add_rms_norm_triton(*norm_args)),
-                         compiled_us=_graph_us(lambda: compiled_norm(*norm_args))))
-        print_table(rows[-1:], list(rows[-1]))
+        compare("add_rms_norm", tokens, add_rms_norm_triton, add_rms_norm.eager, compiled_norm,
+                (x, residual, weight, eps))
         qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim)
         q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
         positions = torch.randint(0, 4096, (tokens,), device=device)
         angles = torch.rand(4096, head_dim // 2, device=device) * 6.3
         cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
-        rope_args = (positions, q, k, cos_sin, randn(head_dim), randn(head_dim), eps)
-        out = norm_rope_triton(*rope_args)
-        twin = norm_and_apply_rope.eager(*rope_args)
-        rows.append(dict(kernel="qk_norm_rope", tokens=tokens, rel_err=max(_rel_err(a, b) for a, b in zip(out, twin)),
-                         triton_us=_graph_us(lambda: norm_rope_triton(*rope_args)),
-                         compiled_us=_graph_us(lambda: compiled_rope(*rope_args))))
-        print_table(rows[-1:], list(rows[-1]))
+        compare("qk_norm_rope", tokens, norm_rope_triton, norm_and_apply_rope.eager, compiled_rope,
+                (positions, q, k, cos_sin, randn(head_dim), randn(head_dim), eps))
     return rows
 
 

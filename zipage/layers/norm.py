@@ -8,7 +8,6 @@ from torch import nn
 from zipage.kernels import norm_rope
 from zipage.layers.fusion import fused
 
-_KERNELS = norm_rope.AVAILABLE  # fused on CUDA by one Triton kernel per call
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -18,12 +17,12 @@ def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * x.to(dtype)
 
 
-@fused(kernel=norm_rope.rms_norm_triton if _KERNELS else None)
+@fused(kernel=norm_rope.rms_norm_triton if norm_rope.AVAILABLE else None)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_eager(x, weight, eps)
 
 
-@fused(kernel=norm_rope.add_rms_norm_triton if _KERNELS else None)
+@fused(kernel=norm_rope.add_rms_norm_triton if norm_rope.AVAILABLE else None)
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """``(norm(x + residual), x + residual)``."""
     x = x + residual

@@ -11,7 +11,6 @@ from zipage.kernels import norm_rope
 from zipage.layers.fusion import fused
 from zipage.layers.norm import rms_norm_eager
 
-_KERNELS = norm_rope.AVAILABLE  # fused on CUDA by one Triton kernel per call
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -41,13 +40,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-@fused(kernel=norm_rope.rope_triton if _KERNELS else None)
+@fused(kernel=norm_rope.rope_triton if norm_rope.AVAILABLE else None)
 def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-@fused(kernel=norm_rope.norm_rope_triton if _KERNELS else None)
+@fused(kernel=norm_rope.norm_rope_triton if norm_rope.AVAILABLE else None)
 def norm_and_apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
                         q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float):
     """Qwen3's per-head RMSNorm of queries and keys, then RoPE (one kernel when fused)."""

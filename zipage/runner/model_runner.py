@@ -7,6 +7,7 @@ sampled token per request.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -50,13 +51,17 @@ class LaunchedStep:
     def __init__(self, device: torch.device, seqs: list[Sequence], tokens: torch.Tensor):
         self.seqs = seqs
         self.tokens = tokens  # on the device: the next step's inputs
-        self.rows = {seq: i for i, seq in enumerate(seqs)}
         self._host, self._ready = tokens, None
         if device.type == "cuda":
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
+
+    @functools.cached_property
+    def rows(self) -> dict[Sequence, int]:
+        """Each request's row among the tokens (built only when a next step needs it)."""
+        return {seq: i for i, seq in enumerate(self.seqs)}
 
     def token_ids(self) -> list[int]:
         if self._ready is not None:
