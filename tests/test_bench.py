@@ -37,6 +37,20 @@ def test_throughput_benchmark_small_scale_writes_results(tmp_path, capsys):
     assert (out / "throughput.png").stat().st_size > 10_000
 
 
+def test_steady_state_is_the_saturated_phase():
+    """Steady state leaves out the ramp-up (a large first batch before the cache fills) and
+    the drain: it is the steps taken while requests waited."""
+    from zipage.bench.throughput import _steady_state
+
+    steps = ([dict(seqs=176, waiting=0)] * 3 + [dict(seqs=40, waiting=60)] * 5 + [dict(seqs=40, waiting=0)]
+             + [dict(seqs=3, waiting=0)] * 2)
+    bound = list(range(len(steps)))
+    assert [b for b, _ in _steady_state(bound, steps)] == [3, 4, 5, 6, 7]
+    never_waited = [dict(seqs=10, waiting=0), dict(seqs=9, waiting=0), dict(seqs=2, waiting=0)]
+    assert [b for b, _ in _steady_state([0, 1, 2], never_waited)] == [0, 1]
+    assert _steady_state([], []) == []
+
+
 def test_throughput_workloads_are_seeded_and_long_tailed():
     from zipage.bench.workloads import make_workload
 

@@ -127,6 +127,19 @@ def mode_options(mode: str, args, settings: dict) -> dict:
     return opts
 
 
+def _steady_state(bound: list[float], decode: list[dict]) -> list[tuple[float, dict]]:
+    """(bound, step) pairs of the decode steps at steady state: those taken while requests
+    waited, i.e. while the cache or the running limit, not the workload, bounded the batch
+    (this leaves out the ramp-up before the cache fills and the drain once the queue is
+    empty). A workload that never waits has no such phase: then the steps with at least 80%
+    of the busiest batch."""
+    saturated = [(b, s) for b, s in zip(bound, decode) if s["waiting"]]
+    if saturated:
+        return saturated
+    busiest = max((s["seqs"] for s in decode), default=0)
+    return [(b, s) for b, s in zip(bound, decode) if s["seqs"] >= 0.8 * busiest]
+
+
 def _warm_up(engine, runner, opts: dict, requests) -> None:
     """Compile what the run will meet (prefill shapes, compression on both paths) before timing:
     otherwise the first mode of a process pays it. Random prompts, so no prefix-cache hits carry over."""
@@ -212,14 +225,14 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
         report.step(now - start, len(finished), stats, engine)
         timeline.append(dict(t=now - start, dt=now - step_start, prefill=stats.is_prefill, seqs=stats.num_seqs,
                              tokens=stats.num_tokens, host_s=stats.host_s, compression_s=stats.compression_s,
-                             kv_tokens=stats.kv_tokens, running=stats.num_running, preempted=stats.num_preempted,
+                             kv_tokens=stats.kv_tokens, running=stats.num_running, waiting=stats.num_waiting,
+                             preempted=stats.num_preempted,
                              blocks=bm.num_blocks - bm.num_free_blocks))
     wall = time.perf_counter() - start
     decode = [s for s in timeline if not s["prefill"] and s["seqs"]]
     bound = [(weight_bytes + s["kv_tokens"] * kv_per_token) / COPY_BANDWIDTH_BYTES_PER_S for s in decode]
     decode_time = sum(s["dt"] for s in decode)
-    busiest = max((s["seqs"] for s in decode), default=0)
-    steady = [(b, s) for b, s in zip(bound, decode) if s["seqs"] >= 0.8 * busiest]
+    steady = _steady_state(bound, decode)
     total_time = sum(s["dt"] for s in timeline) or 1e-9
     host = sorted(s["host_s"] for s in decode)
     metrics = dict(

@@ -32,6 +32,7 @@ class StepStats:
     num_preempted: int
     num_compressed: int = 0
     num_running: int = 0  # running requests once the step was scheduled
+    num_waiting: int = 0  # requests waiting (new or preempted) once the step was scheduled
     kv_tokens: int = 0  # decode: cached tokens the step's attention read (the sum of context lengths)
     compression_s: float = 0.0  # wall time of this step's (synchronous) compression
     host_s: float = 0.0  # CPU time of the step outside the model and sampler (scheduling, inputs, outputs)
@@ -221,7 +222,8 @@ class LLMEngine:
                                    "blocks free")
             return outputs, None
         stats = StepStats(batch.is_prefill, len(batch.seqs), batch.num_tokens, len(batch.preempted),
-                          num_compressed=len(batch.compressions), num_running=len(self.scheduler.running))
+                          num_compressed=len(batch.compressions), num_running=len(self.scheduler.running),
+                          num_waiting=len(self.scheduler.waiting))
         scheduled = time.perf_counter()
         if batch.compressions:
             if self.scheduler.asynchronous:
