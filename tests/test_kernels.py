@@ -227,17 +227,21 @@ def test_decode_torch_twin(group_size, block_size):
     assert torch.all(out[2] == 0)  # context_len 0
 
 
-@pytest.mark.parametrize("num_splits", [None, 2, 5], ids=["auto-splits", "2-splits", "5-splits"])
+# (num_splits, min_split_tokens): the defaults; every tile its own split (the merge for
+# each sequence of several tiles); and a mix where, with 128-token tiles, the longest
+# sequence merges two splits while the others write their output directly.
+@pytest.mark.parametrize("splits", [(None, None), (2, 1), (5, 1), (5, 256)],
+                         ids=["auto-splits", "2-splits", "5-splits", "5-splits-min-256"])
 @pytest.mark.parametrize("block_size", [16, 32, 128])
 @pytest.mark.parametrize("group_size", [1, 2, 4])
-def test_decode_triton(group_size, block_size, num_splits):
+def test_decode_triton(group_size, block_size, splits):
     require_triton()
     q, k_cache, v_cache, block_tables, context_lens = make_decode_inputs(group_size, block_size, torch.float32)
     scale = HEAD_DIM**-0.5
     out = torch.full_like(q, float("nan"))
-    result = paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, out=out, num_splits=num_splits
-    )
+    num_splits, min_split_tokens = splits
+    result = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out,
+                                    num_splits=num_splits, min_split_tokens=min_split_tokens)
     assert result is out
     ref = reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     assert_close(out, ref, TRITON_TOLERANCE[torch.float32])
@@ -249,7 +253,8 @@ def test_decode_triton_float16(num_splits):
     require_triton()
     q, k_cache, v_cache, block_tables, context_lens = make_decode_inputs(4, 16, torch.float16)
     scale = HEAD_DIM**-0.5
-    out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits)
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits,
+                                 min_split_tokens=1)
     assert out.dtype == torch.float16
     ref = reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     assert_close(out, ref, TRITON_TOLERANCE[torch.float16])
