@@ -33,11 +33,15 @@ DECODE_TILE_CONFIG = {128: (128, 4, 3), 256: (64, 4, 3), 512: (32, 4, 2)}
 # across SMs; equal-length batches pay ~5% for the extra merging.
 DECODE_PROGRAMS_PER_SM = 32
 DECODE_MAX_SPLITS = 64  # bounds the merge kernel's register tile
-# Context tokens a split gets at least. Measured on an H200 in CUDA graphs (batch 64,
-# equal contexts of 1,024 tokens): 8 splits of 128 tokens took 81 us, one split 66 us
-# (3.3 against 4.1 TB/s); at 4,096 tokens 268 against 244 us. With contexts of
-# unequal length (128..8,192) the 8 splits balanced best (278-285 us).
+# Context tokens a split gets at least, once the batch alone fills the GPU. Measured on
+# an H200 in CUDA graphs (batch 64, equal contexts of 1,024 tokens): 8 splits of 128
+# tokens took 81 us, one split 66 us (3.3 against 4.1 TB/s); at 4,096 tokens 268
+# against 244 us. With contexts of unequal length (128..8,192) the 8 splits balanced
+# best (278-285 us). A smaller batch scales the minimum down in proportion to
+# DECODE_FILL_PROGRAMS_PER_SM programs per SM: at batch 1 one split per KV head left
+# 124 of 132 SMs idle (32 us per layer against 8 at 1,024 tokens).
 DECODE_MIN_SPLIT_TOKENS = 1024
+DECODE_FILL_PROGRAMS_PER_SM = 4
 
 _LOG2_E = 1.4426950408889634
 
@@ -254,7 +258,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     block_n, num_warps, num_stages = DECODE_TILE_CONFIG[min(max(row_bytes, 128), 512)]
     max_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)
     if min_split_tokens is None:
-        min_split_tokens = DECODE_MIN_SPLIT_TOKENS
+        fill = DECODE_FILL_PROGRAMS_PER_SM * _multiprocessor_count(q.device)
+        min_split_tokens = max(1, DECODE_MIN_SPLIT_TOKENS * min(batch * num_kv_heads, fill) // fill)
     assert min_split_tokens >= 1, f"min_split_tokens must be >= 1, got {min_split_tokens}"
     min_split_tiles = triton.cdiv(min_split_tokens, block_n)
     if num_splits is None:
