@@ -8,8 +8,10 @@
 #                       the replay predicts 505 s of run at SCALE=1 (too long for one call with the start) and
 #                       358 s at SCALE=0.75
 #   sweep-budget        Zipage budget 1024/2048/4096 (block 256), at scale 1/2
-#   sweep-block         Zipage block 64/128 (budget 2048), at scale 1/2
-#   eager               each mode with and without CUDA graphs and fused kernels, medium scale
+#   sweep-block         Zipage block 64/128 (budget 2048), at scale 1/2 (MODES picks one, e.g. zipage+block=64,
+#                       to run the two on two GPUs)
+#   eager               each mode with and without CUDA graphs and fused kernels, EAGER_SCALE (default medium);
+#                       MODES splits it over two GPUs (full,full+eager and zipage,zipage+eager)
 #   profile             decode steps at batch 1/64/256, graphs and eager, with the kernels' time per step by kind
 #   verify              the engine tests on CUDA (greedy tokens, asynchronous scheduling, compression; the norm
 #                       and RoPE kernels run inside them) and the kernel bench (each kernel against its twin)
@@ -29,7 +31,9 @@
 # TP=2 and 200 s at TP=1. Runs before the GPU trace's summary was made linear spent up to 80 s more
 # after their last step. With asynchronous scheduling: whole8k at SCALE=0.75 about 395 s, zipage8k
 # at 0.75 about 215 s; sweep-budget at SCALE=0.4 took 545 s on a cold machine (before it); sweep-block
-# at 0.4 needs more than 330 s and eager more than 215 s (both cut short there).
+# at 0.4 needs more than 330 s and eager more than 215 s (both cut short there). Sixth session: full8k at
+# SCALE=1 (the standard run) 490 s with its start, zipage8k at SCALE=1 265 s, full8k at 0.75 325 s, full16k
+# at 0.5 300 s, zipage16k at 0.5 175 s, verify 110 s of tests plus the kernel bench.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$(pwd)
 OUT=${OUT:-out}
@@ -53,8 +57,8 @@ run() {
         --modes zipage --hf-requests 0 ;;
     sweep-budget) bench --workload reasoning-8k --hf-requests 0 \
         --modes zipage+budget=1024,zipage,zipage+budget=4096 ;;
-    sweep-block) bench --workload reasoning-8k --hf-requests 0 --modes zipage+block=64,zipage+block=128 ;;
-    eager) SCALE=medium bench --hf-requests 0 --modes full,full+eager,zipage,zipage+eager ;;
+    sweep-block) bench --workload reasoning-8k --hf-requests 0 --modes "${MODES:-zipage+block=64,zipage+block=128}" ;;
+    eager) SCALE=${EAGER_SCALE:-medium} bench --hf-requests 0 --modes "${MODES:-full,full+eager,zipage,zipage+eager}" ;;
     profile) timeout "$LIMIT" python3 -m zipage.cli bench decode --shape "$SHAPE" --batch 1,64,256 --context 1024 \
         --steps 32 --modes graphs,eager --profile-steps 8 --out "$dir/decode.json" 2>&1 | grep -v "it/s" ;;
     verify) ZIPAGE_TEST_DEVICE=cuda timeout "$LIMIT" python3 -m pytest -q -x -p no:cacheprovider \
