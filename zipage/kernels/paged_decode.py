@@ -30,7 +30,8 @@ except ImportError:  # no Triton for this platform: only the PyTorch twin is usa
 DECODE_TILE_CONFIG = {128: (128, 4, 3), 256: (64, 4, 3), 512: (32, 4, 2)}
 # Split-K aims at this many programs per SM (about 8 waves of the 4 that are
 # resident at once), so that batches of unequal context lengths balance
-# across SMs; equal-length batches pay ~5% for the extra merging.
+# across SMs; DECODE_MIN_SPLIT_TOKENS below keeps short contexts from being cut
+# into splits too small to pay for their merge.
 DECODE_PROGRAMS_PER_SM = 32
 DECODE_MAX_SPLITS = 64  # bounds the merge kernel's register tile
 # Context tokens a split gets at least, once the batch alone fills the GPU. Measured on
