@@ -45,7 +45,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size)
+                async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _generate(args: argparse.Namespace) -> int:

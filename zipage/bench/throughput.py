@@ -174,7 +174,8 @@ def engine_kwargs(mode: str, args, settings: dict, model_dir: str, requests, cac
     kwargs = dict(device=args.device, block_size=opts["block_size"],
                   max_num_seqs=args.max_num_seqs, max_model_len=longest + 1, compression=compression,
                   enable_prefix_caching=opts["prefix_caching"], enforce_eager=opts["enforce_eager"],
-                  async_scheduling=opts["async_scheduling"], seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+                  async_scheduling=opts["async_scheduling"], seed=args.seed,
+                  tensor_parallel_size=args.tensor_parallel_size)
     if not args.whole_gpu:
         spec = rank_spec(model_dir, args.tensor_parallel_size)
         kwargs["kv_cache_memory_bytes"] = cache_tokens * _kv_bytes_per_token(spec, dtype)

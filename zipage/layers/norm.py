@@ -9,7 +9,6 @@ from zipage.kernels import norm_rope
 from zipage.layers.fusion import fused
 
 
-
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()

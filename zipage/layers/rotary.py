@@ -12,7 +12,6 @@ from zipage.layers.fusion import fused
 from zipage.layers.norm import rms_norm_eager
 
 
-
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Per-pair rotation frequencies, with Llama 3 or linear scaling applied."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
