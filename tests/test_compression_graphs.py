@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zipage.compression.executor import Compressor
+from zipage.compression.executor import Compressor, compacts_in_place
 from zipage.compression.graphs import CompressionGraphs, graph_bucket_sizes
 from zipage.compression.planner import CompressionTask
 from zipage.config import CompressionConfig
@@ -28,7 +28,8 @@ def _tasks(count: int, seed: int) -> list[CompressionTask]:
     tasks = []
     for i in range(count):
         sources = blocks[i * N:(i + 1) * N]
-        targets = sources[:N - 1] if i % 2 == 0 else blocks[40 + i:41 + i] + sources[:N - 2]  # in place or not
+        # In place, or (as the block manager does for a shared leading block) a fresh first block.
+        targets = sources[:N - 1] if i % 2 == 0 else blocks[40 + i:41 + i] + sources[1:N - 1]
         tasks.append(CompressionTask(
             seq=SimpleNamespace(query_slot=i), source_blocks=sources, target_blocks=targets, num_tokens=N * BS,
             keep=(N - 1) * BS, num_previous=[0, 5, (N - 1) * BS][i % 3], last_position=100 + 7 * i,
@@ -64,3 +65,32 @@ def test_graphs_take_only_the_steady_state_shape():
     long_prompt.source_blocks = long_prompt.source_blocks + [47]
     long_prompt.num_tokens += BS
     assert graphs.fits(_tasks(2, 2)) and not graphs.fits([long_prompt])
+
+
+def test_compacts_in_place():
+    """Single pass only when no target is read by the batch at another place."""
+    def task(sources, targets):
+        return SimpleNamespace(source_blocks=sources, target_blocks=targets)
+
+    assert compacts_in_place([task([1, 2, 3], [1, 2]), task([4, 5, 6], [9, 5])])  # in place; fresh 9
+    assert not compacts_in_place([task([1, 2, 3], [2, 1])])  # own sources, swapped
+    assert not compacts_in_place([task([1, 2, 3], [1, 2]), task([4, 5, 6], [3, 5])])  # another's released block
+
+
+def test_a_batch_that_needs_two_passes_runs_eagerly_and_matches():
+    """A request whose fresh target is another request's released source (a synchronous batch can
+    do that): not for the graphs; the eager path's two-pass compaction gives what compacting the
+    two requests one after the other gives."""
+    config = CompressionConfig(max_blocks_per_seq=N, window=WINDOW, layer_group=2)
+    first, second = _tasks(2, 3)
+    second.target_blocks = [first.source_blocks[-1]] + second.source_blocks[1:N - 1]
+    results = []
+    for together in (True, False):
+        kv, scores, queries = _caches(0)
+        compressor = Compressor(config, kv, scores, queries, DIM ** -0.5, BS)
+        compressor.graphs = CompressionGraphs(compressor, max_requests=4)
+        assert not compressor.graphs.fits([first, second])
+        for batch in ([[first, second]] if together else [[first], [second]]):
+            compressor.run(batch)
+        results.append((kv, scores))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

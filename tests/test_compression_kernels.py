@@ -428,13 +428,22 @@ def expected_after_compact(kv_group, score_group, kept, new_scores, block_tables
     return kv_expected, score_expected
 
 
-def run_compact(use_triton, block_size, dtype, placement, scores):
+def run_compact(use_triton, block_size, dtype, placement, scores, single_pass=False, active=None):
+    """Compact and check against one-token-at-a-time copies; requests with active[r] == 0 must
+    stay untouched."""
     inputs = make_compact_inputs(block_size, dtype, placement, scores)
     kv_group, score_group = inputs[0], inputs[1]
     kv_before = kv_group._base.clone()
     score_before = score_group._base.clone() if score_group is not None else None
-    kv_expected, score_expected = expected_after_compact(*inputs)
-    result = (compact_kv if use_triton else compact_kv_torch)(*inputs)
+    if active is None:
+        kv_expected, score_expected = expected_after_compact(*inputs)
+    else:  # only the active requests
+        rows = active.nonzero().flatten()
+        kept, new_scores, tables, targets = inputs[2], inputs[3], inputs[4], inputs[5]
+        kv_expected, score_expected = expected_after_compact(
+            kv_group, score_group, kept[rows], new_scores[rows] if new_scores is not None else None, tables[rows],
+            targets[rows])
+    result = (compact_kv if use_triton else compact_kv_torch)(*inputs, single_pass=single_pass, active=active)
     assert result is None
     # Exact: target slots hold the kept tokens, every other slot (other layers,
     # blocks, heads, the tail of the last target block) is unchanged.
@@ -464,6 +473,32 @@ def test_compact_kv(use_triton, placement, scores):
     if use_triton:
         require_triton()
     run_compact(use_triton, 16, torch.float32, placement, scores)
+
+
+@pytest.mark.parametrize("scores", ["new", "moved", "none"])
+@pytest.mark.parametrize("placement", ["out-of-place", "in-place"])  # what single_pass allows
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+def test_compact_kv_single_pass(use_triton, placement, scores):
+    if use_triton:
+        require_triton()
+    run_compact(use_triton, 16, torch.float32, placement, scores, single_pass=True)
+
+
+@pytest.mark.parametrize("single_pass", [False, True])
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+def test_compact_kv_skips_inactive_requests(use_triton, single_pass):
+    """Padding rows of a captured batch (flag 0) write nothing, whatever their tables say."""
+    if use_triton:
+        require_triton()
+    active = torch.tensor([1, 0, 1], dtype=torch.int64)
+    run_compact(use_triton, 8, torch.float32, "in-place", "new", single_pass=single_pass, active=active)
+
+
+def test_compact_kv_single_pass_small_tiles(monkeypatch):
+    """Several tiles per (request, layer, head), with the tile's destinations among its own sources."""
+    require_triton()
+    monkeypatch.setattr(compact_kv_module, "SINGLE_PASS_TOKENS", 4)
+    run_compact(True, 4, torch.float32, "in-place", "moved", single_pass=True)
 
 
 @pytest.mark.parametrize("scores", ["new", "moved"])

@@ -18,6 +18,7 @@ import torch
 from zipage.compression import policy
 from zipage.compression.planner import CompressionTask
 from zipage.config import CompressionConfig
+from zipage.kernels.choose_kept import CHOOSE_MAX_TOKENS, choose_kept_torch
 
 
 @dataclass
@@ -30,20 +31,31 @@ class BatchInputs:
     num_previous: torch.Tensor  # int64 [R] leading tokens with a history score
     pool: torch.Tensor  # bool [R] max-pool this request's scores
     sinks: torch.Tensor  # int64 [R] leading tokens always kept (attention sink, or the prompt)
+    active: torch.Tensor  # int64 [R] 1 for a request, 0 for a padding row (compacts nothing)
     rows: torch.Tensor  # int64 [R, window] query-cache rows of the window, oldest first
     keep: int  # tokens kept per (layer, KV head)
     n_max: int  # W * block_size
     use_history: bool  # some request carries history scores
     any_pool: bool  # some request pools
+    single_pass: bool  # the compaction may run in one pass (see ``compacts_in_place``)
 
     @classmethod
     def from_arrays(cls, tables: torch.Tensor, numbers: torch.Tensor, width: int, block_size: int, keep: int,
-                    use_history: bool, any_pool: bool) -> "BatchInputs":
+                    use_history: bool, any_pool: bool, single_pass: bool) -> "BatchInputs":
         """Views of the packed arrays of ``Compressor.host_inputs`` (on the device)."""
         return cls(sources=tables[:, :width], targets=tables[:, width:], lengths=numbers[:, 0],
-                   num_previous=numbers[:, 1], pool=numbers[:, 2] != 0, sinks=numbers[:, 3], rows=numbers[:, 4:],
-                   keep=keep,
-                   n_max=width * block_size, use_history=use_history, any_pool=any_pool)
+                   num_previous=numbers[:, 1], pool=numbers[:, 2] != 0, sinks=numbers[:, 3], active=numbers[:, 4],
+                   rows=numbers[:, 5:], keep=keep, n_max=width * block_size, use_history=use_history,
+                   any_pool=any_pool, single_pass=single_pass)
+
+
+def compacts_in_place(tasks: list[CompressionTask]) -> bool:
+    """Whether every target block is its request's own source block at the same index, or a block
+    that no request of the batch reads: then the compaction may run in a single pass (a synchronous
+    batch may break this, when a request's released block becomes another's fresh target)."""
+    read = {block for t in tasks for block in t.source_blocks}
+    return all(i < len(t.source_blocks) and t.source_blocks[i] == block or block not in read
+               for t in tasks for i, block in enumerate(t.target_blocks))
 
 
 class Compressor:
@@ -57,13 +69,14 @@ class Compressor:
         self.block_size = block_size
         self.num_layers = kv_cache.shape[1]
         on_gpu = kv_cache.is_cuda
-        from zipage.kernels import compact_kv, compress_scores
+        from zipage.kernels import choose_kept, compact_kv, compress_scores
         self._attention = (compress_scores.paged_attention_scores if on_gpu
                            else compress_scores.paged_attention_scores_torch)
         self._redundancy = (compress_scores.paged_redundancy_sums
                             if on_gpu and block_size <= compress_scores.REDUNDANCY_MAX_BLOCK
                             else compress_scores.paged_redundancy_sums_torch)
         self._compact = compact_kv.compact_kv if on_gpu else compact_kv.compact_kv_torch
+        self._choose = choose_kept.choose_kept if on_gpu else None  # None: the PyTorch twin
         self._gather_keys = compress_scores.gather_keys
         self._generator = None  # random eviction draws from its own seeded generator: repeatable runs
         if config.policy == "random":
@@ -110,19 +123,19 @@ class Compressor:
         self.compress(inputs)
 
     def host_inputs(self, tasks: list[CompressionTask], width: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch's numbers on the host, padded to ``rows`` requests (repeating the last) and ``width``
-        blocks: int32 [rows, width + T] block tables (sources, then targets) and int64 [rows, 4 + window]
-        (tokens, tokens with a history score, pool, protected leading tokens, then the window's
-        query-cache rows)."""
+        """A batch's numbers on the host, padded to ``rows`` requests (repeating the last, marked
+        inactive) and ``width`` blocks: int32 [rows, width + T] block tables (sources, then targets) and
+        int64 [rows, 5 + window] (tokens, tokens with a history score, pool, protected leading tokens,
+        active, then the window's query-cache rows)."""
         window = self.config.window
         padded = tasks + [tasks[-1]] * (rows - len(tasks))
         tables = torch.zeros(rows, width + len(tasks[0].target_blocks), dtype=torch.int32)
-        numbers = torch.empty(rows, 4 + window, dtype=torch.int64)
+        numbers = torch.empty(rows, 5 + window, dtype=torch.int64)
         for i, t in enumerate(padded):
             tables[i, :len(t.source_blocks)] = torch.tensor(t.source_blocks, dtype=torch.int32)
             tables[i, width:] = torch.tensor(t.target_blocks, dtype=torch.int32)
             # Window rows, oldest first: the query of absolute position p sits in ring row p % window.
-            numbers[i] = torch.tensor([t.num_tokens, t.num_previous, t.pool, t.protected] + [
+            numbers[i] = torch.tensor([t.num_tokens, t.num_previous, t.pool, t.protected, i < len(tasks)] + [
                 t.seq.query_slot * window + (t.last_position - window + 1 + j) % window for j in range(window)])
         if self.kv_cache.is_cuda:  # pinned: the copies below do not wait for the device
             tables, numbers = tables.pin_memory(), numbers.pin_memory()
@@ -138,7 +151,8 @@ class Compressor:
         return BatchInputs.from_arrays(
             tables, numbers, width, self.block_size, tasks[0].keep,
             use_history=cfg.global_score_decay is not None and any(t.num_previous > 0 for t in tasks),
-            any_pool=cfg.pooling_width is not None and any(t.pool for t in tasks))
+            any_pool=cfg.pooling_width is not None and any(t.pool for t in tasks),
+            single_pass=compacts_in_place(tasks))
 
     def compress(self, b: BatchInputs) -> None:
         """Score and compact one batch: GPU work only, no host synchronisation (graph-capturable)."""
@@ -156,29 +170,27 @@ class Compressor:
                           else policy.random_scores(*shape, generator=self._generator))
                 kept = policy.choose_by_scores(scores, lengths, cfg, keep, b.sinks)
                 self._mark("history and top-k")
-                self._compact(kv_group, None, kept, None, sources, targets)
+                self._compact(kv_group, None, kept, None, sources, targets, single_pass=b.single_pass,
+                              active=b.active)
                 self._mark("compaction")
                 continue
             queries = self.query_cache[layers][:, rows].transpose(0, 1).contiguous()  # [R, L, w, Hq, d]
             attention = self._attention(queries, kv_group[0], sources, lengths, self.scale, n_max)
             self._mark("attention")
-            redundancy = None
+            rsum = None
             if cfg.redundancy == "lightning":
                 rsum = self._redundancy(kv_group[0], sources, lengths, cfg.similarity_threshold, n_max)
-                redundancy = policy.normalise_redundancy(rsum, lengths, cfg.redundancy_temperature, bs)
-            elif cfg.redundancy == "raw":
+            elif cfg.redundancy == "raw":  # all pairs, divided by the length: PyTorch only
                 keys = self._gather_keys(kv_group[0], sources, lengths, n_max)
-                redundancy = policy.redundancy_scores(keys, lengths, cfg.similarity_threshold,
-                                                      cfg.redundancy_temperature)
+                rsum = policy.redundancy_sums(keys, lengths, cfg.similarity_threshold)
             self._mark("redundancy")
-            previous = None
-            if use_history:
-                previous = self._gather_keys(self.score_cache[layers].unsqueeze(-1), sources, num_previous,
-                                             n_max).squeeze(-1)
-            kept, history = policy.choose_tokens(attention, redundancy, lengths, previous, num_previous,
-                                                 history_config, keep, pool, b.sinks)
-            new_scores = history.gather(-1, kept) if self.score_cache is not None else None
-            self._mark("history and top-k")
             score_group = self.score_cache[layers] if self.score_cache is not None else None
-            self._compact(kv_group, score_group, kept, new_scores, sources, targets)
+            fused = self._choose is not None and cfg.redundancy != "raw" and n_max <= CHOOSE_MAX_TOKENS
+            kept, new_scores = (self._choose if fused else choose_kept_torch)(
+                attention, rsum, lengths, num_previous, pool, b.sinks, score_group if use_history else None,
+                sources, history_config, keep, bs, write_scores=score_group is not None,
+                divide_by_length=cfg.redundancy == "raw")
+            self._mark("history and top-k")
+            self._compact(kv_group, score_group, kept, new_scores, sources, targets, single_pass=b.single_pass,
+                          active=b.active)
             self._mark("compaction")

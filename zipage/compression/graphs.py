@@ -6,17 +6,17 @@ a few hundred small kernels and costs milliseconds of host time, during which
 the host cannot launch decode steps (so even a side stream overlaps nothing).
 Captured once per batch-size bucket, it is one launch.
 
-A batch is padded to its bucket by repeating its last request: the copy reads
-the same tokens and writes the same values to the same blocks, so it changes
-nothing. Batches of another shape (a long prompt's first compression) and
-baseline policies run eagerly.
+A batch is padded to its bucket by repeating its last request, marked inactive:
+it is scored again and its compaction skipped. Batches of another shape (a long
+prompt's first compression), batches whose compaction needs two passes (see
+``compacts_in_place``) and baseline policies run eagerly.
 """
 
 from __future__ import annotations
 
 import torch
 
-from zipage.compression.executor import BatchInputs, Compressor
+from zipage.compression.executor import BatchInputs, Compressor, compacts_in_place
 from zipage.compression.planner import CompressionTask
 
 MAX_GRAPH_REQUESTS = 32  # larger batches run as several replays (bounds the graphs' scratch memory)
@@ -41,8 +41,8 @@ class CompressionGraphs:
         device = compressor.kv_cache.device
         n, window = self.buckets[-1], cfg.window
         self.tables = torch.zeros(n, 2 * self.width - 1, dtype=torch.int32, device=device)
-        self.numbers = torch.zeros(n, 4 + window, dtype=torch.int64, device=device)
-        self.numbers[:, 0] = self.num_tokens  # for the warm-up and capture
+        self.numbers = torch.zeros(n, 5 + window, dtype=torch.int64, device=device)
+        self.numbers[:, 0] = self.num_tokens  # for the warm-up and capture (inactive: compacts nothing)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def _inputs(self, size: int) -> BatchInputs:
@@ -50,7 +50,7 @@ class CompressionGraphs:
         # History and pooling always on: with num_previous = 0 and pool = False they change nothing.
         return BatchInputs.from_arrays(tables, numbers, self.width, self.compressor.block_size, self.keep,
                                        use_history=cfg.global_score_decay is not None,
-                                       any_pool=cfg.pooling_width is not None)
+                                       any_pool=cfg.pooling_width is not None, single_pass=True)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -71,7 +71,7 @@ class CompressionGraphs:
 
     def fits(self, tasks: list[CompressionTask]) -> bool:
         return all(len(t.source_blocks) == self.width and t.num_tokens == self.num_tokens and t.keep == self.keep
-                   for t in tasks)
+                   for t in tasks) and compacts_in_place(tasks)
 
     def run(self, tasks: list[CompressionTask]) -> None:
         """Replay graphs for ``tasks`` (which ``fits``) on the current stream."""

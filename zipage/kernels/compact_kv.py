@@ -7,13 +7,22 @@ target_tables[r, j // b] at offset j % b. Keys, values and, when there is a scor
 cache, the tokens' scores move together.
 
 Target blocks may be the request's own source blocks (in-place compaction), so a
-token may be overwritten before it is read. Two launches make that hazard-free:
-phase 1 gathers every kept row into a dense scratch buffer, phase 2 scatters the
-scratch into the targets (the launch boundary is the global barrier). A token
-only ever moves within its own (layer, head) plane of the caches, so the Triton
-version bounds its scratch by running the two phases for a few (layer, head) pairs
-at a time, each time for all requests (one request's target block may be another
-request's released source block).
+token may be overwritten before it is read. Two ways to make that hazard-free:
+
+* single pass, when every target block is either the request's own source block at
+  the same index or a block that no request of the batch reads (what the engine's
+  block manager gives whenever released blocks are not reused within the batch).
+  Then destination position j is never after the position kept[j] it is read from
+  (kept is ascending, so kept[j] >= j), and one program per (request, layer, head)
+  walks the kept tokens in ascending tiles: a tile reads only positions that no
+  earlier tile wrote, and a barrier between its loads and its stores orders the
+  threads of the tile. Every kept byte is read once and written once.
+* two phases, for any targets: phase 1 gathers every kept row into a dense scratch
+  buffer, phase 2 scatters the scratch into the targets (the launch boundary is the
+  global barrier). A token only ever moves within its own (layer, head) plane of
+  the caches, so the scratch is bounded by running the two phases for a few
+  (layer, head) pairs at a time, each time for all requests (one request's target
+  block may be another request's released source block). Twice the traffic.
 """
 
 import torch
@@ -24,13 +33,19 @@ try:
 except ImportError:  # no Triton for this platform: only the PyTorch twin is usable
     triton = None
 
-# Tuning knobs (compiled for sm_90, not yet timed on a GPU): tokens per program (one
-# K and one V row of head_dim elements each) and warps; 32 tokens x 128 dims on 8
-# warps take ~115 registers a thread (64 tokens on 4 warps spill).
+# Two phases: tokens per program (one K and one V row of head_dim elements each) and
+# warps; 32 tokens x 128 dims on 8 warps take ~115 registers a thread (64 tokens on 4
+# warps spill). On an H200 it moves 3.95 TB/s (read, scratch write, scratch read, write).
 COMPACT_TOKENS_PER_PROGRAM = 32
 COMPACT_NUM_WARPS = 8
 # Upper bound of the K/V scratch buffer (it holds at least one layer x head pair).
 COMPACT_SCRATCH_BYTES = 256 << 20
+# Single pass: tokens per tile and warps of the one program per (request, layer, head). Timed on an
+# H200 (32 requests x 8 layers x 8 heads, keep 2,048 of 2,304, head_dim 128): 16 to 128 tokens on 4 or
+# 8 warps all move 3.7-3.8 TB/s; the largest tile makes each program shortest (16 steps), which lets
+# decode kernels launched beside a compression find free SMs sooner.
+SINGLE_PASS_TOKENS = 128
+SINGLE_PASS_NUM_WARPS = 8
 
 
 if triton is not None:
@@ -62,10 +77,13 @@ if triton is not None:
         kept_stride_head,
         kept_stride_token,
         block_table_stride,
+        active_ptr,
+        active_stride,
         PAGE_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_T: tl.constexpr,
         GATHER_SCORES: tl.constexpr,
+        HAS_ACTIVE: tl.constexpr,
     ):
         """Phase 1, one program per (token tile, layer x head of the chunk, request): kept
         rows -> scratch [2, R, chunk's layer x heads, keep, HEAD_DIM] (K and V planes
@@ -73,6 +91,9 @@ if triton is not None:
         tile = tl.program_id(0)
         local = tl.program_id(1)
         req = tl.program_id(2)
+        if HAS_ACTIVE:
+            if tl.load(active_ptr + req * active_stride) == 0:
+                return
         layer_head = layer_head_begin + local
         layer = layer_head // num_kv_heads
         kv_head = layer_head % num_kv_heads
@@ -141,15 +162,21 @@ if triton is not None:
         new_scores_stride_head,
         new_scores_stride_token,
         target_table_stride,
+        active_ptr,
+        active_stride,
         PAGE_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_T: tl.constexpr,
         WRITE_SCORES: tl.constexpr,
+        HAS_ACTIVE: tl.constexpr,
     ):
         """Phase 2, one program per (token tile, layer x head of the chunk, request): scratch -> targets."""
         tile = tl.program_id(0)
         local = tl.program_id(1)
         req = tl.program_id(2)
+        if HAS_ACTIVE:
+            if tl.load(active_ptr + req * active_stride) == 0:
+                return
         layer_head = layer_head_begin + local
         layer = layer_head // num_kv_heads
         kv_head = layer_head % num_kv_heads
@@ -194,6 +221,90 @@ if triton is not None:
             tl.store(score_ptr + score_dst, scores, mask=token_mask)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _compact_single_pass_kernel(
+        kv_ptr,
+        score_ptr,
+        new_scores_ptr,
+        kept_ptr,
+        block_tables_ptr,
+        target_tables_ptr,
+        active_ptr,
+        active_stride,
+        num_kv_heads,
+        keep,
+        kv_stride_kv,
+        kv_stride_layer,
+        kv_stride_block,
+        kv_stride_slot,
+        kv_stride_head,
+        score_stride_layer,
+        score_stride_block,
+        score_stride_slot,
+        score_stride_head,
+        new_scores_stride_req,
+        new_scores_stride_layer,
+        new_scores_stride_head,
+        new_scores_stride_token,
+        kept_stride_req,
+        kept_stride_layer,
+        kept_stride_head,
+        kept_stride_token,
+        block_table_stride,
+        target_table_stride,
+        PAGE_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        SCORES: tl.constexpr,  # 0: none, 1: move the cached scores, 2: write new_scores
+        HAS_ACTIVE: tl.constexpr,
+    ):
+        """One program per (layer x head, request): the kept tokens, BLOCK_T at a time in
+        ascending order, read then (after a barrier) written to their destinations."""
+        layer_head = tl.program_id(0)
+        req = tl.program_id(1)
+        if HAS_ACTIVE:
+            if tl.load(active_ptr + req * active_stride) == 0:
+                return
+        layer = layer_head // num_kv_heads
+        kv_head = layer_head % num_kv_heads
+        kept_row = (kept_ptr + req.to(tl.int64) * kept_stride_req + layer * kept_stride_layer
+                    + kv_head * kept_stride_head)
+        sources = block_tables_ptr + req.to(tl.int64) * block_table_stride
+        targets = target_tables_ptr + req.to(tl.int64) * target_table_stride
+        plane = layer.to(tl.int64) * kv_stride_layer + kv_head * kv_stride_head
+        score_plane = layer.to(tl.int64) * score_stride_layer + kv_head * score_stride_head
+        new_score_row = (new_scores_ptr + req.to(tl.int64) * new_scores_stride_req
+                         + layer * new_scores_stride_layer + kv_head * new_scores_stride_head)
+        dims = tl.arange(0, HEAD_DIM)
+        for first in range(0, keep, BLOCK_T):
+            tokens = first + tl.arange(0, BLOCK_T)
+            token_mask = tokens < keep
+            kept = tl.load(kept_row + tokens * kept_stride_token, mask=token_mask, other=0)
+            pages = tl.load(sources + kept // PAGE_SIZE, mask=token_mask)
+            slots = kept % PAGE_SIZE
+            src = plane + pages.to(tl.int64) * kv_stride_block + slots * kv_stride_slot
+            keys = tl.load(kv_ptr + src[:, None] + dims[None, :], mask=token_mask[:, None])
+            values = tl.load(kv_ptr + kv_stride_kv + src[:, None] + dims[None, :], mask=token_mask[:, None])
+            if SCORES == 1:
+                score_src = score_plane + pages.to(tl.int64) * score_stride_block + slots * score_stride_slot
+                scores = tl.load(score_ptr + score_src, mask=token_mask)
+            elif SCORES == 2:
+                scores = tl.load(new_score_row + tokens * new_scores_stride_token, mask=token_mask)
+            # Every thread's reads of this tile before any thread's writes: a destination
+            # of this tile may be a source of the same tile (never of a later one).
+            tl.debug_barrier()
+            dst_pages = tl.load(targets + tokens // PAGE_SIZE, mask=token_mask)
+            dst_slots = tokens % PAGE_SIZE
+            dst = plane + dst_pages.to(tl.int64) * kv_stride_block + dst_slots * kv_stride_slot
+            tl.store(kv_ptr + dst[:, None] + dims[None, :], keys, mask=token_mask[:, None])
+            tl.store(kv_ptr + kv_stride_kv + dst[:, None] + dims[None, :], values, mask=token_mask[:, None])
+            if SCORES != 0:
+                score_dst = score_plane + dst_pages.to(tl.int64) * score_stride_block + dst_slots * score_stride_slot
+                tl.store(score_ptr + score_dst, scores, mask=token_mask)
+
+
 def _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables):
     assert kv_group.dim() == 6 and kv_group.shape[0] == 2, "kv_group: [2, L, num_blocks, b, H, d]"
     _, num_layers, num_blocks, block_size, num_kv_heads, _ = kv_group.shape
@@ -209,7 +320,8 @@ def _check_args(kv_group, score_group, kept, new_scores, block_tables, target_ta
         assert new_scores.shape == kept.shape
 
 
-def compact_kv(kv_group, score_group, kept, new_scores, block_tables, target_tables):
+def compact_kv(kv_group, score_group, kept, new_scores, block_tables, target_tables, *, single_pass=False,
+               active=None):
     """Move the kept tokens of every (request, layer, KV head) to their target slots.
 
     kv_group: [2, L, num_blocks, b, H, d] (K and V planes of a layer group, any
@@ -222,21 +334,47 @@ def compact_kv(kv_group, score_group, kept, new_scores, block_tables, target_tab
     Token kept[r, l, h, j] goes to position j: block target_tables[r, j // b],
     offset j % b. Targets may overlap the sources; slots past keep in the last
     target block are left untouched.
+
+    single_pass: the caller guarantees that every target block is the request's
+    own source block at the same index or a block no request of the batch reads
+    (see the module docstring); half the memory traffic. active: [R] flags (any
+    integer or bool dtype, any stride), requests with 0 are skipped (the padding
+    rows of a captured batch), or None for all.
     """
     _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables)
     _, num_layers, _, block_size, num_kv_heads, head_dim = kv_group.shape
     num_requests, _, _, keep = kept.shape
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
     assert kv_group.stride(5) == 1 and block_tables.stride(1) == 1 and target_tables.stride(1) == 1
+    assert active is None or active.shape == (num_requests,)
     if num_requests == 0 or keep == 0:
         return
 
     device = kv_group.device
+    kv_strides = (kv_group.stride(0), kv_group.stride(1), kv_group.stride(2), kv_group.stride(3), kv_group.stride(4))
+    score_args = score_group if score_group is not None else kv_group  # unused without scores
+    score_strides = score_group.stride() if score_group is not None else (0, 0, 0, 0)
+    active_args = (active, active.stride(0)) if active is not None else (kept, 0)  # unused without flags
+    num_layer_heads = num_layers * num_kv_heads
+
+    if single_pass:
+        scores_mode = 0 if score_group is None else (1 if new_scores is None else 2)
+        new_score_args = new_scores if new_scores is not None else kept  # unused unless mode 2
+        new_score_strides = new_scores.stride() if new_scores is not None else (0, 0, 0, 0)
+        block_t = min(SINGLE_PASS_TOKENS, max(16, triton.next_power_of_2(keep)))
+        _compact_single_pass_kernel[(num_layer_heads, num_requests)](
+            kv_group, score_args, new_score_args, kept, block_tables, target_tables, *active_args,
+            num_kv_heads, keep, *kv_strides, *score_strides, *new_score_strides, *kept.stride(),
+            block_tables.stride(0), target_tables.stride(0),
+            PAGE_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_T=block_t, SCORES=scores_mode,
+            HAS_ACTIVE=active is not None, num_warps=SINGLE_PASS_NUM_WARPS, num_stages=1,
+        )  # fmt: skip
+        return
+
     # Hazards only exist within one (layer, head) plane of the caches, so the work
     # is split into chunks of layer x head pairs whose scratch stays within
     # COMPACT_SCRATCH_BYTES; within a chunk all requests go together (a request's
     # target block may be another request's source block).
-    num_layer_heads = num_layers * num_kv_heads
     bytes_per_layer_head = 2 * num_requests * keep * head_dim * kv_group.element_size()
     chunk = max(1, min(num_layer_heads, COMPACT_SCRATCH_BYTES // bytes_per_layer_head))
     kv_scratch = torch.empty(2, num_requests, chunk, keep, head_dim, dtype=kv_group.dtype, device=device)
@@ -247,34 +385,36 @@ def compact_kv(kv_group, score_group, kept, new_scores, block_tables, target_tab
         new_scores = score_scratch
     else:
         score_scratch = kv_scratch  # unused
-    score_args = score_group if score_group is not None else kv_scratch  # unused without scores
-    score_strides = score_group.stride() if score_group is not None else (0, 0, 0, 0)
     new_score_strides = new_scores.stride() if new_scores is not None else (0, 0, 0, 0)
     new_score_args = new_scores if new_scores is not None else kv_scratch  # unused without scores
 
     block_t = min(COMPACT_TOKENS_PER_PROGRAM, max(16, triton.next_power_of_2(keep)))
-    kv_strides = (kv_group.stride(0), kv_group.stride(1), kv_group.stride(2), kv_group.stride(3), kv_group.stride(4))
     for begin in range(0, num_layer_heads, chunk):
         grid = (triton.cdiv(keep, block_t), min(chunk, num_layer_heads - begin), num_requests)
         _gather_kept_kernel[grid](
             kv_group, score_args, kept, block_tables, kv_scratch, score_scratch,
             begin, kv_scratch.stride(0), num_layers, num_kv_heads, keep,
-            *kv_strides, *score_strides, *kept.stride(), block_tables.stride(0),
+            *kv_strides, *score_strides, *kept.stride(), block_tables.stride(0), *active_args,
             PAGE_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_T=block_t, GATHER_SCORES=move_scores,
-            num_warps=COMPACT_NUM_WARPS,
+            HAS_ACTIVE=active is not None, num_warps=COMPACT_NUM_WARPS,
         )  # fmt: skip
         _scatter_kept_kernel[grid](
             kv_group, score_args, new_score_args, target_tables, kv_scratch,
             begin, kv_scratch.stride(0), num_kv_heads, keep,
-            *kv_strides, *score_strides, *new_score_strides, target_tables.stride(0),
+            *kv_strides, *score_strides, *new_score_strides, target_tables.stride(0), *active_args,
             PAGE_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_T=block_t, WRITE_SCORES=score_group is not None,
-            num_warps=COMPACT_NUM_WARPS,
+            HAS_ACTIVE=active is not None, num_warps=COMPACT_NUM_WARPS,
         )  # fmt: skip
 
 
-def compact_kv_torch(kv_group, score_group, kept, new_scores, block_tables, target_tables):
-    """PyTorch twin of compact_kv (same arguments and semantics), also gather-then-write."""
+def compact_kv_torch(kv_group, score_group, kept, new_scores, block_tables, target_tables, *, single_pass=False,
+                     active=None):
+    """PyTorch twin of compact_kv (same arguments and semantics), always gather-then-write."""
     _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables)
+    if active is not None:
+        rows = active.to(device=kept.device, dtype=torch.bool).nonzero().flatten()
+        kept, block_tables, target_tables = kept[rows], block_tables[rows], target_tables[rows]
+        new_scores = new_scores[rows] if new_scores is not None else None
     _, num_layers, _, block_size, num_kv_heads, _ = kv_group.shape
     num_requests, _, _, keep = kept.shape
     if num_requests == 0 or keep == 0:

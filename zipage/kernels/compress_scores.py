@@ -46,10 +46,13 @@ SCORE_PROGRAMS_PER_SM = 8
 SCORE_MAX_SPLITS = 32
 # Redundancy: query rows per step are chosen so that rows x block_size float32
 # similarities stay within this many elements, with a warp per this many of them
-# (4 to 16 warps). Checked by compiling for sm_90 (bf16, head_dim 128): b = 64 needs
-# 168 registers a thread, b = 128 109, b = 256 128 (96 bytes of stack).
-REDUNDANCY_TILE_ELEMENTS = 16384
-REDUNDANCY_ELEMENTS_PER_WARP = 1024
+# (4 to 16 warps). Timed on an H200 (block 256, head_dim 128, bf16, 32 requests x 8
+# layers x 8 heads x 9 blocks): 32 rows on 4 warps 2.53 ms, 64 rows on 16 warps (the
+# first guess) 3.05 ms, every other shape from 16 to 128 rows and 4 to 16 warps in
+# between or slower; 256 rows does not compile (registers). It is bound by the
+# elementwise work on the similarities (about 120 TFLOP/s of tensor-core work).
+REDUNDANCY_TILE_ELEMENTS = 8192
+REDUNDANCY_ELEMENTS_PER_WARP = 2048
 REDUNDANCY_MAX_BLOCK = 256  # the whole block's keys sit in shared memory
 EPS = 1e-6  # floor of a key's norm in the cosine similarity
 
@@ -503,7 +506,8 @@ def paged_attention_scores_torch(queries, k_cache, block_tables, lengths, scale,
     return out
 
 
-def paged_redundancy_sums(k_cache, block_tables, lengths, threshold, n_max, out=None):
+def paged_redundancy_sums(k_cache, block_tables, lengths, threshold, n_max, out=None, *, block_rows=None,
+                          num_warps=None):
     """Lightning redundancy sums rsum [R, L, H, n_max] float32 from the paged keys.
 
     Partners of token n are the other valid tokens of its cache block (tokens
@@ -511,7 +515,9 @@ def paged_redundancy_sums(k_cache, block_tables, lengths, threshold, n_max, out=
     key norms floored at 1e-6; m*(n) is n's largest partner with s > threshold;
     rsum(m) = sum over partners n of s(n, m), minus s(n, m) for each n with
     m*(n) == m. Padding: 0. k_cache, block_tables, lengths as for
-    paged_attention_scores; b <= 256. Written into `out` when given.
+    paged_attention_scores; b <= 256. Written into `out` when given. block_rows
+    (similarity rows per step, a power of two >= 16) and num_warps override the
+    tuning.
     """
     _check_paged(k_cache, block_tables, lengths)
     num_layers, _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -528,8 +534,11 @@ def paged_redundancy_sums(k_cache, block_tables, lengths, threshold, n_max, out=
         return out
 
     block_b = max(16, block_size)  # tl.dot needs >= 16 rows and columns
-    block_rows = max(16, min(block_b, REDUNDANCY_TILE_ELEMENTS // block_b))
-    num_warps = min(16, max(4, block_b * block_rows // REDUNDANCY_ELEMENTS_PER_WARP))
+    if block_rows is None:
+        block_rows = max(16, min(block_b, REDUNDANCY_TILE_ELEMENTS // block_b))
+    assert block_rows >= 16 and block_rows & (block_rows - 1) == 0, "block_rows must be a power of two >= 16"
+    if num_warps is None:
+        num_warps = min(16, max(4, block_b * block_rows // REDUNDANCY_ELEMENTS_PER_WARP))
     num_blocks = triton.cdiv(n_max, block_size)
     _redundancy_kernel[(num_blocks, num_layers * num_kv_heads, num_requests)](
         k_cache,
