@@ -134,11 +134,30 @@ def test_replay_step_model_errors():
 
     from zipage.bench.replay import parse_step_model
 
-    assert parse_step_model("1,0,0.5,2,0.01") == dict(a=1.0, b=0.0, c=0.5, p0=2.0, p1=0.01)
-    with pytest.raises(ValueError, match="5 comma-separated"):
+    assert parse_step_model("1,0,0.5,2,0.01") == dict(a=1.0, b=0.0, c=0.5, p0=2.0, p1=0.01, f=0.0, g=0.0)
+    assert parse_step_model("1,0,0.5,2,0.01,0.3,0.4") == dict(a=1.0, b=0.0, c=0.5, p0=2.0, p1=0.01, f=0.3, g=0.4)
+    with pytest.raises(ValueError, match="5 or 7 comma-separated"):
         parse_step_model("1,2")
     with pytest.raises(ValueError, match=">= 0"):
         parse_step_model("1,-2,0,0,0")
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_replay_charges_compressions(tmp_path, asynchronous):
+    """A compression cost adds exactly f + g * tokens/1000 per batch to the modelled time, whether
+    it is charged to the step it overlaps (asynchronous) or serially; the schedule is unchanged."""
+    common = ["--shape", "tiny", "--scale", "small", "--device", "cpu", "--modes", "zipage",
+              "--asynchronous" if asynchronous else "--no-asynchronous"]
+    runs = {}
+    for name, model in (("hidden", "2,0.01,0.03,1,0.01"), ("charged", "2,0.01,0.03,1,0.01,0.5,0.25")):
+        assert cli_main(["bench", "replay", *common, "--step-model", model, "--out", str(tmp_path / name)]) == 0
+        runs[name] = json.loads((tmp_path / name / "replay.json").read_text())["modes"]["zipage"]
+    hidden, charged = runs["hidden"], runs["charged"]
+    assert charged["decode_steps"] == hidden["decode_steps"] and charged["num_compressions"] > 0
+    assert charged["num_compressions"] == hidden["num_compressions"] and hidden["compression_s"] == 0
+    # at least f per batch and g per thousand tokens of each compressed request (>= one block of 16)
+    assert charged["compression_s"] >= charged["num_compressions"] * 0.25 * 16 / 1e6
+    assert charged["model_s"] - hidden["model_s"] == pytest.approx(charged["compression_s"], rel=1e-9)
 
 
 def _brute_overlap(start: float, end: float, intervals) -> float:
@@ -217,3 +236,17 @@ def test_decode_benchmark_profiles_steps(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["bench", "decode", "--shape", "tiny", "--device", "cpu", "--profile-steps", "-1"]) != 0
     assert "--profile-steps >= 0 (got -1)" in capsys.readouterr().err
+
+
+def test_compression_benchmark_beside_decode_runs_and_returns_every_block(tmp_path):
+    """Stages of one compression, then its cost beside other requests' decode steps (CPU: a smoke
+    test; the bench itself raises if a block was not returned)."""
+    out = tmp_path / "compression.json"
+    code = cli_main(["bench", "compression", "--shape", "tiny", "--device", "cpu", "--requests", "1,2",
+                     "--budget", "64", "--block-size", "16", "--check", "0", "--beside", "3", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert [row["requests"] for row in result["rows"]] == [1, 2]
+    assert [row["requests"] for row in result["beside_decode"]] == [1, 2]
+    for row in result["beside_decode"]:
+        assert row["decoding"] == 3 and row["isolated_ms"] > 0 and row["step_alone_ms"] > 0

@@ -27,6 +27,9 @@ def add_compression_parser(sub) -> None:
     p.add_argument("--redundancy", default="lightning", choices=["lightning", "raw", "off"])
     p.add_argument("--device", default=None)
     p.add_argument("--check", type=int, default=4, help="requests whose kernel outputs are checked (0: none)")
+    p.add_argument("--beside", type=int, default=0,
+                   help="also time what each batch of --requests costs when launched beside the decode steps of "
+                        "this many other requests (0: skip)")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run_compression_bench)
 
@@ -89,6 +92,15 @@ def _check_kernels(llm, seqs) -> dict:
         errors["redundancy"] = rel(cs.paged_redundancy_sums(keys, tables, lengths, cfg.similarity_threshold, n_max),
                                    cs.paged_redundancy_sums_torch(keys, tables, lengths, cfg.similarity_threshold,
                                                                   n_max))
+    if runner.device.type == "cuda" and bs <= cs.REDUNDANCY_MAX_BLOCK:  # selection (history off: no cache read)
+        from zipage.kernels import choose_kept as ch
+
+        attention = cs.paged_attention_scores(queries, keys, tables, lengths, scale, n_max)
+        rsum = cs.paged_redundancy_sums(keys, tables, lengths, cfg.similarity_threshold, n_max)
+        args = (attention, rsum, lengths, torch.zeros_like(lengths), True, torch.zeros_like(lengths), None, tables,
+                cfg, cfg.kv_budget_tokens, bs)
+        chosen, twin = ch.choose_kept(*args, write_scores=False)[0], ch.choose_kept_torch(*args, write_scores=False)[0]
+        errors["selection"] = (chosen != twin).double().mean().item()  # share of kept indices that differ
     kept = torch.sort(torch.randperm(n_max, device=runner.device)[:cfg.kv_budget_tokens]).values
     kept = kept.expand(len(seqs), keys.shape[0], keys.shape[-2], -1).contiguous()
     free = llm.engine.block_manager.free_blocks
@@ -103,6 +115,70 @@ def _check_kernels(llm, seqs) -> dict:
     return errors
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cost_beside_decode(llm, num_decoding: int, counts: list[int], rng: random.Random, steps: int = 48,
+                        period: int = 4) -> list[dict]:
+    """What a compression costs the decode steps it is launched beside.
+
+    ``num_decoding`` requests decode through the runner as the engine drives it (launch a
+    step, then read the previous one's tokens) for ``steps`` steps, alone and with a
+    compression of C other requests launched on the compression stream every ``period``
+    steps; the cost of one compression is the extra wall time over the compressions
+    launched (best of two loops each). Beside it, the compression's own time on an idle
+    device.
+    """
+    from zipage.compression.planner import plan_compression
+
+    engine, runner = llm.engine, llm.engine.runner
+    bm, device = engine.block_manager, runner.device
+    decoders = _fill_requests(llm, num_decoding, rng)
+    for seq in decoders:
+        bm.append_slot(seq)
+
+    def loop(tasks) -> tuple[float, int]:
+        _synchronize(device)
+        start, previous, launched = time.perf_counter(), None, 0
+        for i in range(steps):
+            if tasks and i % period == 0:
+                runner.start_compression(tasks)
+                launched += 1
+            step = runner.launch(decoders, False, engine.eos_token_ids)
+            if previous is not None:
+                previous.token_ids()
+            previous = step
+        previous.token_ids()
+        _synchronize(device)
+        return time.perf_counter() - start, launched
+
+    rows = []
+    for count in counts:
+        seqs = _fill_requests(llm, count, rng)
+        # Planned as the engine plans asynchronous ones; replaying the same tasks re-reads the
+        # same sources (still held) and rewrites the same targets.
+        tasks = [plan_compression(s, bm, llm.config.compression, asynchronous=True) for s in seqs]
+        loop(tasks)  # warm-up
+        alone = min(loop(None)[0] for _ in range(2))
+        together, launched = min(loop(tasks) for _ in range(2))
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(3):
+            runner.compress(tasks)
+        _synchronize(device)
+        isolated = (time.perf_counter() - start) / 3
+        engine.scheduler.finish_compressions(tasks)
+        _finish(llm, seqs)
+        rows.append(dict(requests=count, decoding=num_decoding, isolated_ms=1000 * isolated,
+                         step_alone_ms=1000 * alone / steps, step_beside_ms=1000 * together / steps,
+                         cost_ms=1000 * (together - alone) / launched))
+        print_table([rows[-1]], list(rows[-1]))
+    _finish(llm, decoders)
+    return rows
+
+
 def run_compression_bench(args: argparse.Namespace) -> int:
     from zipage import LLM, CompressionConfig
     from zipage.compression.planner import plan_compression
@@ -112,7 +188,8 @@ def run_compression_bench(args: argparse.Namespace) -> int:
     config = CompressionConfig(kv_budget_tokens=args.budget, redundancy=args.redundancy)
     max_len = args.budget + 2 * args.block_size + 8
     llm = LLM(model_dir, load_format=load_format, device=args.device, block_size=args.block_size,
-              max_num_seqs=max(counts), max_model_len=max_len, enable_prefix_caching=False, compression=config)
+              max_num_seqs=max(counts) + args.beside, max_model_len=max_len, enable_prefix_caching=False,
+              compression=config)
     engine, runner = llm.engine, llm.engine.runner
     compressor = runner.compressor
     rng = random.Random(0)
@@ -151,7 +228,14 @@ def run_compression_bench(args: argparse.Namespace) -> int:
         print_table([row], list(row))
     print()
     print_table(rows, list(rows[0]))
+    beside = []
+    if args.beside:
+        print(f"\ncost of a compression beside the decode steps of {args.beside} requests:")
+        beside = _cost_beside_decode(llm, args.beside, counts, rng)
+    bm = engine.block_manager
+    if bm.num_free_blocks != bm.num_blocks:
+        raise RuntimeError(f"{bm.num_blocks - bm.num_free_blocks} KV blocks were not returned")
     write_json(args.out, dict(benchmark="compression", model=args.model or args.shape, budget=args.budget,
                               block_size=args.block_size, redundancy=args.redundancy, rows=rows,
-                              kernel_errors=errors))
+                              kernel_errors=errors, beside_decode=beside))
     return 0

@@ -4,8 +4,9 @@ The engine runs unchanged (scheduler, block manager, compression planning, preem
 prefix cache) but its runner does no arithmetic: it returns a fixed token and adds the
 modelled time of the step to a clock. A decode step costs
 ``a + b * running requests + c * cached tokens read`` and a prefill step
-``p0 + p1 * prompt tokens``; compression is taken as hidden (asynchronous, under 1% of
-the time on the GPU). The default coefficients were fitted to the 23,699 decode steps of
+``p0 + p1 * prompt tokens``. A compression batch costs ``f + g * tokens compressed``
+(thousands), charged to the decode step it overlaps (asynchronous) or added to the clock
+(synchronous); the default coefficients take it as hidden (f = g = 0). The default coefficients were fitted to the 23,699 decode steps of
 a full-KV reasoning-8k run on an H200 (Qwen3-8B shape, bf16), whose step count,
 prefill tokens and preemptions a replay reproduces exactly and whose wall time it
 matches within 0.1%; see docs/benchmarks.md.
@@ -28,8 +29,10 @@ import torch
 
 from zipage.bench.common import print_table
 
-# ms: decode = a + b * requests + c * (cached tokens / 1000); prefill = p0 + p1 * tokens
-H200_QWEN3_8B = dict(a=6.47, b=0.0164, c=0.0348, p0=2.0, p1=0.0354)
+# ms: decode = a + b * requests + c * (cached tokens / 1000); prefill = p0 + p1 * tokens;
+# a compression batch: f + g * (tokens compressed / 1000)
+H200_QWEN3_8B = dict(a=6.47, b=0.0164, c=0.0348, p0=2.0, p1=0.0354, f=0.0, g=0.0)
+STEP_MODEL_KEYS = ("a", "b", "c", "p0", "p1", "f", "g")
 # Torch calls of a GPU decode step, each of which lets go of the GIL for a moment: the input
 # copies, the graph's buffer copies and replay, the sampler's kernels.
 LAUNCHES_PER_STEP = 24
@@ -60,7 +63,9 @@ class SimulatedRunner:
         self.model = step_model
         self.sleep = sleep
         self._rng = random.Random(0)
-        self.decode_ms = self.prefill_ms = 0.0  # the clock, by kind of step
+        self.decode_ms = self.prefill_ms = self.compression_ms = 0.0  # the clock, by kind of work
+        self._overlapping_ms = 0.0  # asynchronous compressions' cost, charged to the next decode step
+        self.compression_cost_ms = 0.0  # every compression's cost, however charged
         self.last_prepare_s = 0.0
 
     def execute(self, seqs, is_prefill: bool, eos_token_ids, async_callback=None) -> list[int]:
@@ -70,7 +75,8 @@ class SimulatedRunner:
             self.prefill_ms += step
         else:
             cached = sum(seq.kv_len + 1 for seq in seqs)
-            step = m["a"] + m["b"] * len(seqs) + m["c"] * cached / 1000
+            step = m["a"] + m["b"] * len(seqs) + m["c"] * cached / 1000 + self._overlapping_ms
+            self._overlapping_ms = 0.0
             self.decode_ms += step
         if self.sleep:
             _wait_like_a_device(step / 1000, async_callback)
@@ -83,10 +89,16 @@ class SimulatedRunner:
         token = 1 if 1 not in eos_token_ids else 2
         return [token] * len(seqs)
 
+    def _compression_cost_ms(self, tasks) -> float:
+        cost = self.model["f"] + self.model["g"] * sum(t.num_tokens for t in tasks) / 1000
+        self.compression_cost_ms += cost
+        return cost
+
     def compress(self, tasks) -> None:
-        pass
+        self.compression_ms += self._compression_cost_ms(tasks)
 
     def start_compression(self, tasks):
+        self._overlapping_ms += self._compression_cost_ms(tasks)
         return tasks
 
     @staticmethod
@@ -137,10 +149,12 @@ def replay_mode(mode: str, args, settings: dict, model_dir: str, requests, cache
     bm = engine.block_manager
     if bm.num_free_blocks != bm.num_blocks:
         raise RuntimeError(f"{mode}: {bm.num_blocks - bm.num_free_blocks} KV blocks were not returned")
-    seconds = (runner.decode_ms + runner.prefill_ms) / 1000
+    runner.compression_ms += runner._overlapping_ms  # a last compression no decode step overlapped
+    seconds = (runner.decode_ms + runner.prefill_ms + runner.compression_ms) / 1000
     return dict(mode=mode, options=opts, requests=len(requests), output_tokens=outputs, model_s=seconds,
                 tokens_per_s=outputs / seconds, decode_steps=steps, mean_batch=batch_sum / max(steps, 1),
-                prefill_s=runner.prefill_ms / 1000, num_preemptions=preempted,
+                prefill_s=runner.prefill_ms / 1000, compression_s=runner.compression_cost_ms / 1000,
+                num_preemptions=preempted,
                 num_compressions=engine.stats.num_compressions, num_blocks=runner.num_blocks,
                 query_slots=runner.num_query_slots)
 
@@ -152,8 +166,9 @@ def add_replay_parser(sub) -> None:
                                       "model (CPU, seconds)")
     add_workload_args(p)
     p.add_argument("--step-model", default=None,
-                   help="a,b,c,p0,p1 in ms (decode a + b*requests + c*cached/1000; prefill p0 + p1*tokens); "
-                        "default: fitted on an H200 with the Qwen3-8B shape")
+                   help="a,b,c,p0,p1[,f,g] in ms (decode a + b*requests + c*cached/1000; prefill p0 + "
+                        "p1*tokens; a compression batch f + g*tokens/1000, default 0: hidden); default: fitted on "
+                        "an H200 with the Qwen3-8B shape")
     p.add_argument("--out", default=None, help="directory for replay.json")
     p.set_defaults(func=run_replay_bench)
 
@@ -162,15 +177,15 @@ def parse_step_model(text: str | None) -> dict:
     if text is None:
         return dict(H200_QWEN3_8B)
     values = text.split(",")
-    if len(values) != 5:
-        raise ValueError(f"--step-model needs 5 comma-separated numbers a,b,c,p0,p1, got {text!r}")
+    if len(values) not in (5, 7):
+        raise ValueError(f"--step-model needs 5 or 7 comma-separated numbers a,b,c,p0,p1[,f,g], got {text!r}")
     try:
         numbers = [float(v) for v in values]
     except ValueError:
         raise ValueError(f"--step-model needs numbers, got {text!r}") from None
     if any(v < 0 for v in numbers):
         raise ValueError(f"--step-model coefficients must be >= 0, got {text!r}")
-    return dict(zip(("a", "b", "c", "p0", "p1"), numbers))
+    return dict(zip(STEP_MODEL_KEYS, numbers + [0.0] * (7 - len(numbers))))
 
 
 def run_replay_bench(args: argparse.Namespace) -> int:
