@@ -33,7 +33,10 @@
 # at 0.75 about 215 s; sweep-budget at SCALE=0.4 took 545 s on a cold machine (before it); sweep-block
 # at 0.4 needs more than 330 s and eager more than 215 s (both cut short there). Sixth session: full8k at
 # SCALE=1 (the standard run) 490 s with its start, zipage8k at SCALE=1 265 s, full8k at 0.75 325 s, full16k
-# at 0.5 300 s, zipage16k at 0.5 175 s, verify 110 s of tests plus the kernel bench.
+# at 0.5 300 s, zipage16k at 0.5 175 s, verify 110 s of tests plus the kernel bench. Seventh session:
+# zipage8k at SCALE=1 about 275 s with its start; sweep-block at 0.4 about 140 s for block=64 and more
+# than 170 s for block=128 (give each LIMIT=300); eager at its default scale about 250 s for
+# MODES=full,full+eager and 240 s for zipage,zipage+eager (the graphs-off run is most of it).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$(pwd)
 OUT=${OUT:-out}
