@@ -50,7 +50,10 @@ SCORE_MAX_SPLITS = 32
 # layers x 8 heads x 9 blocks): 32 rows on 4 warps 2.53 ms, 64 rows on 16 warps (the
 # first guess) 3.05 ms, every other shape from 16 to 128 rows and 4 to 16 warps in
 # between or slower; 256 rows does not compile (registers). It is bound by the
-# elementwise work on the similarities (about 120 TFLOP/s of tensor-core work).
+# elementwise work on the similarities (about 120 TFLOP/s of tensor-core work). Every
+# shape but 64 rows on 8 or 16 warps spills (32 on 4: 255 registers and 2.5 KB of
+# stack a thread), yet 32 on 4 was also the cheapest beside decode steps (1.9 / 3.3
+# against 2.0 / 3.4 ms for a compression of 1 / 4 requests).
 REDUNDANCY_TILE_ELEMENTS = 8192
 REDUNDANCY_ELEMENTS_PER_WARP = 2048
 REDUNDANCY_MAX_BLOCK = 256  # the whole block's keys sit in shared memory
