@@ -15,6 +15,8 @@
 #   profile             decode steps at batch 1/64/256, graphs and eager, with the kernels' time per step by kind
 #   verify              the engine tests on CUDA (greedy tokens, asynchronous scheduling, compression; the norm
 #                       and RoPE kernels run inside them) and the kernel bench (each kernel against its twin)
+#   compression         one compression by stage (REQUESTS, default 1,4,16,64; kernels checked against
+#                       their twins) and its cost beside the decode steps of BESIDE (default 128) requests
 #   hf                  transformers generate, HF_BATCH (default 1) requests per call, beside 4 full-KV requests
 #   train               train the synthetic-task model (MINUTES, default 9.2; INIT: a checkpoint to start from)
 #   eval                synthetic evaluation of checkpoints/ledger-14m, 200 problems, every policy and budget;
@@ -68,6 +70,9 @@ run() {
           tests/test_generation.py tests/test_async_scheduling.py tests/test_compression_engine.py 2>&1
         timeout 150 python3 -m zipage.cli bench kernels --batch 64,256 --context 4096 --block-size 256 \
           --out "$dir/kernels.json" 2>&1 | grep -v "it/s" ;;
+    compression) timeout "$LIMIT" python3 -m zipage.cli bench compression --shape "$SHAPE" \
+          --requests "${REQUESTS:-1,4,16,64}" --beside "${BESIDE:-128}" --out "$dir/compression.json" 2>&1 \
+          | grep -v "it/s" ;;
     hf) bench --workload reasoning-8k --num-requests 4 --modes full --hf-requests "${HF:-4}" \
         --hf-batch-size "${HF_BATCH:-1}" ;;
     train) timeout "$LIMIT" python3 -m zipage.quality.train --out "$dir" --max-minutes "${MINUTES:-9.2}" \
