@@ -19,6 +19,7 @@ import torch  # noqa: E402
 import zipage.kernels.compact_kv as compact_kv_module  # noqa: E402
 from tests.conftest import assert_close, relative_error, require_triton  # noqa: E402
 import zipage.kernels.compress_scores as compress_scores_module  # noqa: E402
+from zipage.kernels.choose_kept import choose_kept  # noqa: E402
 from zipage.kernels.compact_kv import compact_kv, compact_kv_torch  # noqa: E402
 from zipage.kernels.compress_scores import (  # noqa: E402
     gather_keys,
@@ -567,9 +568,10 @@ def test_score_kernels_on_the_compressors_packed_batch():
 
 
 def test_engine_with_the_triton_kernels_gives_the_twins_tokens(checkpoint_dir, monkeypatch):
-    """A whole engine on the CPU whose compressor runs the Triton kernels (interpreted)
-    generates the tokens it generates with the PyTorch twins: the kernels get the
-    engine's own views (packed numbers, block-table slices, layer groups), as on a GPU.
+    """A whole engine on the CPU whose compressor runs the Triton kernels (interpreted: scores,
+    selection, compaction) generates the tokens it generates with the PyTorch twins: the kernels
+    get the engine's own views (packed numbers, block-table slices, layer groups, the score
+    cache with history), as on a GPU.
     Its KV (and window-query) stores run the Triton store kernel too."""
     require_triton()
     from tests.conftest import make_llm
@@ -585,6 +587,7 @@ def test_engine_with_the_triton_kernels_gives_the_twins_tokens(checkpoint_dir, m
             self._attention = paged_attention_scores
             self._redundancy = paged_redundancy_sums
             self._compact = compact_kv
+            self._choose = choose_kept
 
     model_dir = checkpoint_dir("qwen3")
     prompts = [list(range(5, 45)), list(range(7, 30)), [3, 1, 4, 1, 5, 9, 2, 6], list(range(50, 90))]
