@@ -36,9 +36,6 @@ except ImportError:  # no Triton for this platform: only the PyTorch twin is usa
 CHOOSE_MAX_TOKENS = 8192  # longest row one program holds (a long prompt's first compression is longer)
 CHOOSE_ELEMENTS_PER_WARP = 512
 
-_LOWEST = torch.finfo(torch.float32).min
-_HIGHEST = torch.finfo(torch.float32).max
-
 
 if triton is not None:
 
@@ -127,7 +124,8 @@ if triton is not None:
             e = tl.exp(x - top)
             redundancy = e / tl.maximum(tl.sum(e, 0), 1.0)
             score = attention_weight * pooled - redundancy_weight * redundancy
-        score = tl.where(score != score, -3.4028234663852886e38, score)  # NaN: lowest
+        # As policy.protect: NaN to the lowest float32, infinities clamped to the finite range.
+        score = tl.where(score != score, -3.4028234663852886e38, score)
         score = tl.minimum(tl.maximum(score, -3.4028234663852886e38), 3.4028234663852886e38)
         sink = tl.load(sinks_ptr + req * sinks_stride).to(tl.int32)
         score = tl.where((j >= length - window) | (j < sink), float("inf"), score)
