@@ -51,59 +51,11 @@ def pools(pool, r) -> bool:
     return bool(pool) if isinstance(pool, bool) else bool(pool[r])
 
 
-def reference(attention, rsum, lengths, num_previous, pool, sinks, score_group, tables, config, keep):
-    """float64, per row: the kept indices (ascending) and their history scores."""
-    kept_all, scores_all = [], []
-    for r in range(attention.shape[0]):
-        n = int(lengths[r])
-        kept_r, scores_r = [], []
-        for layer in range(attention.shape[1]):
-            kept_l, scores_l = [], []
-            for h in range(attention.shape[2]):
-                a = [float(attention[r, layer, h, j]) for j in range(n)]
-                g = list(a)
-                if score_group is not None and config.global_score_decay is not None:
-                    for j in range(int(num_previous[r])):
-                        block, slot = int(tables[r, j // BLOCK]), j % BLOCK
-                        g[j] = max(a[j], float(score_group[layer, block, slot, h]) * config.global_score_decay)
-                p = list(g)
-                if pools(pool, r) and config.pooling_width:
-                    half = config.pooling_width // 2
-                    p = [max(g[max(0, j - half):min(n, j + half + 1)]) for j in range(n)]
-                s = p
-                if rsum is not None:
-                    x = [float(rsum[r, layer, h, j]) / (config.redundancy_temperature * BLOCK) for j in range(n)]
-                    top = max(x)
-                    e = [torch.tensor(v - top, dtype=torch.float64).exp().item() for v in x]
-                    total = max(sum(e), 1.0)
-                    red = [v / total for v in e]
-                    w = config.attention_weight
-                    s = [w * p[j] - (1 - w) * red[j] for j in range(n)]
-                s = [float("inf") if j >= n - config.window or j < int(sinks[r]) else s[j] for j in range(n)]
-                order = sorted(range(n), key=lambda j: (-s[j], j))[:keep]  # ties: the older token
-                kept = sorted(order)
-                kept_l.append(kept)
-                scores_l.append([g[j] for j in kept])
-            kept_r.append(kept_l)
-            scores_r.append(scores_l)
-        kept_all.append(kept_r)
-        scores_all.append(scores_r)
-    return torch.tensor(kept_all), torch.tensor(scores_all, dtype=torch.float64)
-
-
-def assert_same_choice(kept, expected, combined, tolerance=1e-6):
-    """Equal kept sets, except where the scores at the boundary are equal to float32 rounding."""
-    for index in torch.nonzero((kept != expected).any(-1)).tolist():
-        a, b = set(kept[tuple(index)].tolist()), set(expected[tuple(index)].tolist())
-        row = combined[tuple(index)]
-        boundary = min(float(row[j]) for j in b)
-        for j in a ^ b:
-            assert abs(float(row[j]) - boundary) <= tolerance * max(1.0, abs(boundary)), (index, sorted(a ^ b))
-
-
-def combined_scores(attention, rsum, lengths, num_previous, pool, sinks, score_group, tables, config):
-    """The twin's protected scores S (float64), for the boundary check."""
-    out = torch.zeros(attention.shape, dtype=torch.float64)
+def reference_scores(attention, rsum, lengths, num_previous, pool, sinks, score_group, tables, config):
+    """float64 [R, L, H, n_max]: the history score G and the combined score S before protection
+    (0 at padding), one row at a time."""
+    history = torch.zeros(attention.shape, dtype=torch.float64)
+    combined = torch.zeros(attention.shape, dtype=torch.float64)
     for r in range(attention.shape[0]):
         n = int(lengths[r])
         for layer in range(attention.shape[1]):
@@ -123,8 +75,32 @@ def combined_scores(attention, rsum, lengths, num_previous, pool, sinks, score_g
                     x = rsum[r, layer, h, :n].double() / (config.redundancy_temperature * BLOCK)
                     e = (x - x.max()).exp()
                     s = config.attention_weight * p - (1 - config.attention_weight) * e / e.sum().clamp_min(1.0)
-                out[r, layer, h, :n] = s
-    return out
+                history[r, layer, h, :n] = g
+                combined[r, layer, h, :n] = s
+    return history, combined
+
+
+def reference(history, combined, lengths, sinks, config, keep):
+    """Protection (+inf for the window and the sink) and the `keep` largest, ties to the older
+    token: kept indices (ascending) and their history scores."""
+    kept_all, scores_all = torch.zeros(*history.shape[:3], keep, dtype=torch.int64), []
+    for index in torch.cartesian_prod(*(torch.arange(d) for d in history.shape[:3])).tolist():
+        r = index[0]
+        n = int(lengths[r])
+        s = [float("inf") if j >= n - config.window or j < int(sinks[r]) else float(combined[tuple(index)][j])
+             for j in range(n)]
+        kept_all[tuple(index)] = torch.tensor(sorted(sorted(range(n), key=lambda j: (-s[j], j))[:keep]))
+    return kept_all, history.gather(-1, kept_all)
+
+
+def assert_same_choice(kept, expected, combined, tolerance=1e-6):
+    """Equal kept sets, except where the scores at the boundary are equal to float32 rounding."""
+    for index in torch.nonzero((kept != expected).any(-1)).tolist():
+        a, b = set(kept[tuple(index)].tolist()), set(expected[tuple(index)].tolist())
+        row = combined[tuple(index)]
+        boundary = min(float(row[j]) for j in b)
+        for j in a ^ b:
+            assert abs(float(row[j]) - boundary) <= tolerance * max(1.0, abs(boundary)), (index, sorted(a ^ b))
 
 
 CASES = {
@@ -142,8 +118,9 @@ def run_case(implementation, history, pooling, redundancy, seed=0, quantised=Fal
     args = (attention, rsum if redundancy else None, lengths, num_previous, pool if pooling else False, sinks,
             score_group if history else None, tables, config, KEEP, BLOCK)
     kept, scores = implementation(*args)
-    expected, expected_scores = reference(*args[:9], KEEP)
-    return kept, scores, expected, expected_scores, combined_scores(*args[:9])
+    history, combined = reference_scores(*args[:9])
+    expected, expected_scores = reference(history, combined, lengths, sinks, config, KEEP)
+    return kept, scores, expected, expected_scores, combined
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -204,4 +181,4 @@ def test_choose_kept_pool_flag_for_every_request():
     flags, flag_scores = choose_kept(*args, torch.ones(len(LENGTHS), dtype=torch.bool), *rest)
     twin_kept, twin_scores = choose_kept_torch(*args, True, *rest)
     assert torch.equal(kept, flags) and torch.equal(scores, flag_scores)
-    assert_same_choice(kept, twin_kept, combined_scores(*args, True, *rest[:4]))
+    assert_same_choice(kept, twin_kept, reference_scores(*args, True, *rest[:4])[1])
