@@ -64,7 +64,7 @@ class SimulatedRunner:
         self.sleep = sleep
         self._rng = random.Random(0)
         self.decode_ms = self.prefill_ms = self.compression_ms = 0.0  # the clock, by kind of work
-        self._overlapping_ms = 0.0  # asynchronous compressions' cost, charged to the next decode step
+        self.pending_compression_ms = 0.0  # asynchronous compressions' cost, charged to the next decode step
         self.compression_cost_ms = 0.0  # every compression's cost, however charged
         self.last_prepare_s = 0.0
 
@@ -75,8 +75,8 @@ class SimulatedRunner:
             self.prefill_ms += step
         else:
             cached = sum(seq.kv_len + 1 for seq in seqs)
-            step = m["a"] + m["b"] * len(seqs) + m["c"] * cached / 1000 + self._overlapping_ms
-            self._overlapping_ms = 0.0
+            step = m["a"] + m["b"] * len(seqs) + m["c"] * cached / 1000 + self.pending_compression_ms
+            self.pending_compression_ms = 0.0
             self.decode_ms += step
         if self.sleep:
             _wait_like_a_device(step / 1000, async_callback)
@@ -98,7 +98,7 @@ class SimulatedRunner:
         self.compression_ms += self._compression_cost_ms(tasks)
 
     def start_compression(self, tasks):
-        self._overlapping_ms += self._compression_cost_ms(tasks)
+        self.pending_compression_ms += self._compression_cost_ms(tasks)
         return tasks
 
     @staticmethod
@@ -149,7 +149,7 @@ def replay_mode(mode: str, args, settings: dict, model_dir: str, requests, cache
     bm = engine.block_manager
     if bm.num_free_blocks != bm.num_blocks:
         raise RuntimeError(f"{mode}: {bm.num_blocks - bm.num_free_blocks} KV blocks were not returned")
-    runner.compression_ms += runner._overlapping_ms  # a last compression no decode step overlapped
+    runner.compression_ms += runner.pending_compression_ms  # a last compression no decode step overlapped
     seconds = (runner.decode_ms + runner.prefill_ms + runner.compression_ms) / 1000
     return dict(mode=mode, options=opts, requests=len(requests), output_tokens=outputs, model_s=seconds,
                 tokens_per_s=outputs / seconds, decode_steps=steps, mean_batch=batch_sum / max(steps, 1),
