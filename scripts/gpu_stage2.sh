@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU runs that each fit one 10-minute device call; several parts can run side by side on the
 # GPUs of one host (CUDA_VISIBLE_DEVICES picks the GPU of each).
-# Usage: OUT=results-dir [SCALE=1] [LIMIT=570 seconds] [SHAPE=qwen3-8b] bash scripts/gpu_stage2.sh PART
+# Usage: OUT=results-dir [SCALE=1] [LIMIT=570 seconds] [SHAPE=qwen3-8b] [MAX_S=seconds] bash scripts/gpu_stage2.sh PART
+# (MAX_S: the throughput parts stop each mode after that many seconds of run, --max-seconds)
 #   full8k | zipage8k   reasoning-8k, KV cache capped at 48 GB of Qwen3-8B KV x SCALE, peak demand 2x
 #   full16k | zipage16k the same for reasoning-16k (MODES overrides the Zipage modes, e.g. zipage+sync)
 #   whole8k             Zipage with the whole GPU (no cache cap), 512 requests, MAX_SEQS (default 512) running;
@@ -50,7 +51,8 @@ name=$part${TAG:-}
 dir=$OUT/$name
 mkdir -p "$dir"
 bench() {
-  timeout "$LIMIT" python3 -m zipage.cli bench throughput --shape "$SHAPE" --scale "$SCALE" "$@" --out "$dir" 2>&1 | grep -v "it/s"
+  timeout "$LIMIT" python3 -m zipage.cli bench throughput --shape "$SHAPE" --scale "$SCALE" ${MAX_S:+--max-seconds "$MAX_S"} \
+    "$@" --out "$dir" 2>&1 | grep -v "it/s"
 }
 run() {
   case "$part" in

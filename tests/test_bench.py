@@ -250,3 +250,35 @@ def test_compression_benchmark_beside_decode_runs_and_returns_every_block(tmp_pa
     assert [row["requests"] for row in result["beside_decode"]] == [1, 2]
     for row in result["beside_decode"]:
         assert row["decoding"] == 3 and row["isolated_ms"] > 0 and row["step_alone_ms"] > 0
+
+
+def test_max_seconds_cuts_a_run_short_and_counts_its_tokens(tmp_path, capsys, monkeypatch):
+    """``--max-seconds`` aborts what is unfinished once the time is up: the tokens produced so far
+    count, every block comes back, and the result says it was cut short (replay: modelled time)."""
+    import itertools
+    import time
+
+    common = ["--shape", "tiny", "--scale", "small", "--device", "cpu", "--modes", "full,zipage"]
+    clock = itertools.count(step=1e-3)  # a clock that each reading moves on: the cut comes after a few steps
+    with monkeypatch.context() as m:
+        m.setattr(time, "perf_counter", lambda: next(clock))
+        assert cli_main(["bench", "throughput", *common, "--hf-requests", "0", "--max-seconds", "0.2",
+                         "--out", str(tmp_path / "run")]) == 0
+    assert "cut short at" in capsys.readouterr().out
+    run = json.loads((tmp_path / "run" / "throughput.json").read_text())
+    for metrics in run["modes"].values():
+        assert metrics["truncated_at_s"] is not None and metrics["blocks_returned"]
+        assert metrics["finished_requests"] < metrics["requests"]
+        assert 0 < metrics["output_tokens"] < run["workload"]["output_tokens"]
+
+    assert cli_main(["bench", "replay", *common, "--out", str(tmp_path / "whole")]) == 0
+    whole = json.loads((tmp_path / "whole" / "replay.json").read_text())["modes"]
+    half = whole["full"]["model_s"] / 2
+    assert cli_main(["bench", "replay", *common, "--max-seconds", str(half), "--out", str(tmp_path / "half")]) == 0
+    cut = json.loads((tmp_path / "half" / "replay.json").read_text())["modes"]["full"]
+    assert whole["full"]["truncated_at_s"] is None and cut["truncated_at_s"] >= half
+    assert cut["model_s"] == pytest.approx(cut["truncated_at_s"])  # nothing runs after the cut
+    assert 0 < cut["output_tokens"] < whole["full"]["output_tokens"]
+    assert cut["decode_steps"] < whole["full"]["decode_steps"]
+    assert cli_main(["bench", "replay", *common, "--max-seconds", "0"]) != 0
+    assert "--max-seconds must be > 0, got 0" in capsys.readouterr().err

@@ -125,7 +125,7 @@ def _wait_like_a_device(seconds: float, async_callback=None) -> None:
 
 def replay_mode(mode: str, args, settings: dict, model_dir: str, requests, cache_tokens: int,
                 step_model: dict) -> dict:
-    from zipage.bench.throughput import engine_kwargs, rank_spec
+    from zipage.bench.throughput import abort_unfinished, engine_kwargs, rank_spec
     from zipage.config import EngineConfig
     from zipage.engine.llm_engine import LLMEngine
     from zipage.sampling_params import SamplingParams
@@ -135,13 +135,20 @@ def replay_mode(mode: str, args, settings: dict, model_dir: str, requests, cache
     spec = rank_spec(model_dir, args.tensor_parallel_size)
     runner = SimulatedRunner(config, spec, step_model)
     engine = LLMEngine(config, runner=runner)
-    for i, r in enumerate(requests):
-        engine.add_request(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
-                                                    seed=i))
+    request_ids = [engine.add_request(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
+                                                               ignore_eos=True, seed=i))
+                   for i, r in enumerate(requests)]
     steps = batch_sum = outputs = preempted = 0
+    truncated_at = None
     while engine.has_unfinished_requests():
         finished, stats = engine.step()
         outputs += sum(len(o.outputs[0].token_ids) for o in finished)
+        clock = (runner.decode_ms + runner.prefill_ms + runner.compression_ms) / 1000
+        if args.max_seconds is not None and truncated_at is None and clock >= args.max_seconds:
+            truncated_at = clock
+            outputs += abort_unfinished(engine, request_ids)
+        if stats is None:  # nothing launched: the step in flight was collected
+            continue
         preempted += stats.num_preempted
         if not stats.is_prefill:
             steps += 1
@@ -152,6 +159,7 @@ def replay_mode(mode: str, args, settings: dict, model_dir: str, requests, cache
     runner.compression_ms += runner.pending_compression_ms  # a last compression no decode step overlapped
     seconds = (runner.decode_ms + runner.prefill_ms + runner.compression_ms) / 1000
     return dict(mode=mode, options=opts, requests=len(requests), output_tokens=outputs, model_s=seconds,
+                truncated_at_s=truncated_at,
                 tokens_per_s=outputs / seconds, decode_steps=steps, mean_batch=batch_sum / max(steps, 1),
                 prefill_s=runner.prefill_ms / 1000, compression_s=runner.compression_cost_ms / 1000,
                 num_preemptions=preempted,

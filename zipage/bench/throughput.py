@@ -75,6 +75,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop each mode after this many seconds of its run (modelled seconds in a replay): "
+                        "unfinished requests are aborted, their tokens so far counted, and the result is "
+                        "marked truncated (for a run longer than the time one has)")
 
 
 def _settings(args) -> dict:
@@ -207,19 +211,24 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
     setup_s = time.perf_counter() - setup_start  # engine start (weights, graphs, compiles) and warm-up
     print(f"  {mode}: ready after {setup_s:.0f} s (engine start and warm-up)", flush=True)
     compressions_before = engine.stats.num_compressions
-    for i, r in enumerate(requests):
-        engine.add_request(r.prompt, SamplingParams(temperature=args.temperature, max_tokens=r.max_tokens,
-                                                    ignore_eos=True, seed=args.seed * 1_000_003 + i))
+    request_ids = [engine.add_request(r.prompt, SamplingParams(temperature=args.temperature, max_tokens=r.max_tokens,
+                                                               ignore_eos=True, seed=args.seed * 1_000_003 + i))
+                   for i, r in enumerate(requests)]
     trace = runner.enable_trace()
     timeline, outputs = [], 0
     bm = engine.block_manager
     start = time.perf_counter()
     report = Progress(mode, len(requests), args.progress_every)
+    completed, truncated_at = 0, None
     while engine.has_unfinished_requests():
         step_start = time.perf_counter()
         finished, stats = engine.step()
         now = time.perf_counter()
         outputs += sum(len(o.outputs[0].token_ids) for o in finished)
+        completed += len(finished)
+        if args.max_seconds is not None and truncated_at is None and now - start >= args.max_seconds:
+            truncated_at = now - start
+            outputs += abort_unfinished(engine, request_ids)
         if stats is None:  # no step launched: only the last one's tokens were collected
             report.finished += len(finished)
             continue
@@ -238,7 +247,8 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
     host = sorted(s["host_s"] for s in decode)
     metrics = dict(
         mode=mode, options=opts, requests=len(requests), output_tokens=outputs, wall_s=wall,
-        tokens_per_s=outputs / wall, requests_per_s=len(requests) / wall,
+        tokens_per_s=outputs / wall, requests_per_s=completed / wall, finished_requests=completed,
+        truncated_at_s=truncated_at,
         mean_running=sum(s["running"] * s["dt"] for s in timeline) / total_time,
         peak_running=max(s["running"] for s in timeline), num_blocks=bm.num_blocks,
         mean_block_occupancy=sum(s["blocks"] * s["dt"] for s in timeline) / total_time / bm.num_blocks,
@@ -262,6 +272,12 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return dict(metrics=metrics, timeline=timeline)
+
+
+def abort_unfinished(engine, request_ids) -> int:
+    """Abort every unfinished request of a run cut short; return the tokens they had produced."""
+    outputs = (engine.abort_request(rid) for rid in request_ids)
+    return sum(len(o.outputs[0].token_ids) for o in outputs if o is not None)
 
 
 class Progress:
@@ -385,6 +401,8 @@ def prepare_workload(args: argparse.Namespace):
     hf_batch_size = getattr(args, "hf_batch_size", None)  # the replay shares this and has no such option
     if hf_batch_size is not None and hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {hf_batch_size}")
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        raise ValueError(f"--max-seconds must be > 0, got {args.max_seconds}")
     modes = args.modes.split(",")
     for mode in modes:  # reject a bad mode before any run
         mode_options(mode, args, settings)
@@ -405,7 +423,7 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
     ratios = {}
     full = next((m for m in results if m.split("+")[0] == "full"), None)
     for mode in results:
-        if full and mode.split("+")[0] == "zipage":
+        if full and mode.split("+")[0] == "zipage" and results[full]["metrics"]["tokens_per_s"]:
             ratios[f"{mode}_over_{full}"] = (results[mode]["metrics"]["tokens_per_s"]
                                              / results[full]["metrics"]["tokens_per_s"])
     if hf:
@@ -414,6 +432,11 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
         print(f"transformers generate: {hf['tokens_per_s']:.1f} tokens/s ({hf['requests']} requests, "
               f"{hf['batch_size']} per call)")
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
+    for mode, run in results.items():
+        m = run["metrics"]
+        if m["truncated_at_s"] is not None:
+            print(f"{mode}: cut short at {m['truncated_at_s']:.0f} s (--max-seconds) with {m['finished_requests']} of "
+                  f"{m['requests']} requests finished; its tokens/s are those of the run's first part")
     for mode, run in results.items():
         gpu = run["metrics"]["gpu_timeline"]
         if gpu:
