@@ -39,7 +39,10 @@
 # at 0.5 300 s, zipage16k at 0.5 175 s, verify 110 s of tests plus the kernel bench. Seventh session:
 # zipage8k at SCALE=1 about 275 s with its start; sweep-block at 0.4 about 140 s for block=64 and more
 # than 170 s for block=128 (give each LIMIT=300); eager at its default scale about 250 s for
-# MODES=full,full+eager and 240 s for zipage,zipage+eager (the graphs-off run is most of it).
+# MODES=full,full+eager and 240 s for zipage,zipage+eager (the graphs-off run is most of it). Eighth
+# session: verify 146 s, compression 53 s, full8k at SCALE=1 about 520 s, zipage8k at 1 287 s, zipage16k
+# at 1 353 s, full16k at 1 with MAX_S=450 about 500 s (the whole run would take about 15 minutes),
+# sweep-block at 0.4 145 s for block=128; tp-test needs more than 162 s.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$(pwd)
 OUT=${OUT:-out}
