@@ -206,8 +206,7 @@ def run_compression_bench(args: argparse.Namespace) -> int:
         compressor.stage_seconds = {}
         start = time.perf_counter()
         runner.compress(tasks)
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize()
+        _synchronize(runner.device)
         total = time.perf_counter() - start
         stages = compressor.stage_seconds
         compressor.stage_seconds = None
