@@ -200,8 +200,8 @@ def test_detokenizer_passes_over_tokens_without_text(checkpoint_dir):
     ids = []
     for token in [words[0]] + [unknown] * 50 + words[1:]:
         ids.append(token)
-        detok.update(ids)
-        assert len(ids) - detok.prefix_offset <= CONTEXT_TOKENS + 1
+        detok.update(token)
+        assert len(detok._tail) <= CONTEXT_TOKENS + 1  # the tokens it decodes each step
     assert detok.text == tokenizer.decode(ids) == " hello world"
 
 

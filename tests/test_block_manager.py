@@ -64,7 +64,7 @@ def prefill(bm: BlockManager, seq: Sequence, next_token: int, kv: KVStore | None
         for pos in range(seq.num_prefix_hit_tokens, seq.num_tokens):
             kv.write(seq, pos)
     seq.kv_len = seq.num_tokens
-    bm.register_full_blocks(seq)
+    bm.register_computed(seq, seq.kv_len)
     seq.token_ids.append(next_token)
 
 
@@ -76,7 +76,7 @@ def decode(bm: BlockManager, seq: Sequence, next_token: int, kv: KVStore | None 
     if kv is not None:
         kv.write(seq, seq.kv_len)
     seq.kv_len += 1
-    bm.register_full_blocks(seq)
+    bm.register_computed(seq, seq.kv_len)
     seq.token_ids.append(next_token)
 
 
@@ -309,7 +309,7 @@ def test_identical_prompts_in_one_batch_share_blocks():
     assert len(bm.hash_to_block) == 2
     for seq in (a, b):
         seq.kv_len = seq.num_tokens
-        bm.register_full_blocks(seq)
+        bm.register_computed(seq, seq.kv_len)
     assert len(bm.hash_to_block) == 2
     check_invariants(bm, [a, b])
     a_blocks = list(a.block_table)

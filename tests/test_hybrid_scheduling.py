@@ -1,7 +1,8 @@
 """Hybrid scheduling of Compressed PagedAttention, driven by a fake engine (no model).
 
-``HybridEngine.step`` mirrors ``LLMEngine.step`` and ``_collect_compression`` minus
-the model: collect a finished asynchronous compression batch, ``schedule()``, and
+``HybridEngine.step`` mirrors ``LLMEngine.step`` minus the model: collect a finished
+asynchronous compression batch (through the scheduler's ``Compressions``, for which
+the harness is the runner), ``schedule()``, and
 when that yields nothing while a batch is in flight wait for it and schedule
 again; launch the step's compressions (asynchronous: remembered as the in-flight
 batch, done after a number of steps the test picks; synchronous: applied at once),
@@ -134,6 +135,9 @@ class HybridEngine:
             return ("tok", position, tuple(seq.token_ids[:position + 1]))
         return ("ctok", seq.request_id, self._inc(seq), position, seq.token_ids[position])
 
+    def _compressing(self, seq: Sequence) -> bool:
+        return self.sched.compressions.is_compressing(seq)
+
     def _in_flight_seqs(self) -> set[int]:
         return {id(t.seq) for t in self.in_flight["tasks"]} if self.in_flight is not None else set()
 
@@ -157,9 +161,9 @@ class HybridEngine:
         self._forward(batch)
         sched, bm = self.sched, self.bm
         for seq in batch.seqs:  # LLMEngine.step's order
-            seq.kv_len = seq.num_tokens if batch.is_prefill else seq.kv_len + 1
-            bm.register_full_blocks(seq)
+            bm.cache_step(seq, batch.is_prefill)
             seq.token_ids.append(fake_token(seq.request_id, seq.num_tokens))
+            bm.register_computed(seq, len(seq.token_ids) - 1)
             if seq.num_output_tokens >= seq.max_tokens:
                 sched.finish(seq, "length")
                 self.expect[seq.request_id] = []
@@ -192,11 +196,11 @@ class HybridEngine:
                                       needs=needs_compression(s, bm, self.comp), num_tokens=s.num_tokens)
                for s in pre_running}
         in_flight = self._in_flight_seqs()
-        assert sched.compression_in_flight == (self.in_flight is not None)
+        assert sched.compressions.busy == (self.in_flight is not None)
         batch = sched.schedule()
         self._check_slots(after_schedule=True)
         for seq in sched.running:  # a compressing request stays running
-            assert id(seq) not in in_flight or seq.compressing
+            assert id(seq) not in in_flight or self._compressing(seq)
         # Preemptions, also those of a step that ends up with nothing to run (schedule() returns None).
         preempted = [s for s in pre_running if s.status is SequenceStatus.WAITING]
         if batch is not None:
@@ -204,7 +208,7 @@ class HybridEngine:
             preempted = batch.preempted
         seqs = batch.seqs if batch is not None else []
         for seq in preempted:
-            assert id(seq) not in in_flight and not seq.compressing, f"{seq} preempted while being compressed"
+            assert id(seq) not in in_flight and not self._compressing(seq), f"{seq} preempted while being compressed"
             assert seq not in seqs and seq in sched.waiting
             assert len(seq.block_table) == 0 and seq.kv_len == 0 and seq.query_slot is None
             last_resort = self.hybrid and pre[id(seq)].slot is not None
@@ -214,7 +218,7 @@ class HybridEngine:
             # The victim is the newest request that may go: every newer one still running may not.
             for newer in pre_running[pre_running.index(seq) + 1:]:
                 if newer.status is SequenceStatus.RUNNING:
-                    assert (newer.compressing or newer.num_tokens > sched.max_recompute_tokens
+                    assert (self._compressing(newer) or newer.num_tokens > sched.max_recompute_tokens
                             or (self.hybrid and newer.query_slot is not None and not last_resort)), \
                         f"preempted {seq} although {newer} is newer"
             self.expect[seq.request_id] = []
@@ -225,7 +229,7 @@ class HybridEngine:
         assert len(sched.running) <= self.config.max_num_seqs
         for seq in seqs:
             assert seq.status is SequenceStatus.RUNNING and seq in sched.running
-            assert not seq.compressing and id(seq) not in in_flight, f"{seq} runs while being compressed"
+            assert not self._compressing(seq) and id(seq) not in in_flight, f"{seq} runs while being compressed"
         if batch.is_prefill:
             n = len(seqs)
             assert seqs == pre_waiting[:n], "admission is first come, first served"
@@ -276,10 +280,10 @@ class HybridEngine:
             assert not seq.kv_is_token_prefix
             assert task.last_position == seq.num_tokens - 2
             if self.asynchronous:
-                assert seq.compressing and seq not in seqs
+                assert self._compressing(seq) and seq not in seqs
                 assert task.pending_release == [b for b in task.source_blocks if b not in task.target_blocks]
             else:
-                assert not seq.compressing and task.pending_release == []
+                assert not self._compressing(seq) and task.pending_release == []
         return batch
 
     def _check_slots(self, after_schedule: bool) -> None:
@@ -288,7 +292,7 @@ class HybridEngine:
         assert len(set(held)) == len(held), "two requests hold one query slot"
         assert sorted(held + sched.free_query_slots) == list(range(self.M)), "query slots leaked"
         for seq in sched.waiting:
-            assert seq.query_slot is None and not seq.compressing
+            assert seq.query_slot is None and not self._compressing(seq)
         slotless = [s for s in sched.running if s.query_slot is None]
         if not self.hybrid:
             assert not slotless, "without hybrid scheduling every running request holds a slot"
@@ -360,6 +364,11 @@ class HybridEngine:
                 f"{seq}: the query of position {p} is not in its slot (found {got})"
 
     def _launch(self, tasks) -> None:
+        """``LLMEngine``'s launch: through the scheduler's ``Compressions``, with this harness as runner."""
+        assert self.sched.compressions.planned == list(tasks)
+        self.sched.compressions.launch(self)
+
+    def _read_sources(self, tasks) -> list:
         """Read every source now (the compaction runs after all work already queued)."""
         bs = self.bs
         reads = []
@@ -377,10 +386,16 @@ class HybridEngine:
             for later in tasks[i + 1:]:
                 assert not set(task.target_blocks) & set(later.source_blocks)
         self.stats["compressions"] += len(tasks)
-        if not self.asynchronous:
-            self._commit(reads)
-            return
-        assert self.in_flight is None
+        return reads
+
+    # the runner methods ``Compressions`` calls
+    def compress(self, tasks) -> None:
+        assert not self.asynchronous
+        self._commit(self._read_sources(tasks))
+
+    def start_compression(self, tasks):
+        assert self.asynchronous and self.in_flight is None
+        reads = self._read_sources(tasks)
         delay = self.delays[self.num_launches % len(self.delays)]
         self.num_launches += 1
         blocks = set()
@@ -389,7 +404,15 @@ class HybridEngine:
             blocks.update(task.target_blocks)
         self.in_flight = dict(tasks=list(tasks), reads=reads, launched=self.step_no, delay=delay, blocks=blocks,
                               slots={t.seq.query_slot for t in tasks})
-        self.sched.compression_in_flight = True
+        return self.in_flight
+
+    def compression_done(self, handle, wait: bool = False) -> bool:
+        assert handle is self.in_flight
+        if not wait and self.step_no - handle["launched"] - 1 < handle["delay"]:
+            return False
+        self._commit(handle["reads"])
+        self.in_flight = None  # the compaction is done: its sources may be written from now on
+        return True
 
     def _commit(self, reads) -> None:
         bs = self.bs
@@ -402,20 +425,19 @@ class HybridEngine:
             self.expect[task.seq.request_id] = list(kept)
 
     def _collect(self, wait: bool) -> None:
-        """``LLMEngine._collect_compression``: finish the in-flight batch if it is done (or wait for it)."""
+        """``LLMEngine._poll_compressions``: finish the in-flight batch if it is done (or wait for it)."""
         flight = self.in_flight
         if flight is None:
             return
-        if not wait and self.step_no - flight["launched"] - 1 < flight["delay"]:
-            return
         tasks = flight["tasks"]
         for task in tasks:
-            assert task.seq.compressing and task.seq.status is SequenceStatus.RUNNING
+            assert self._compressing(task.seq) and task.seq.status is SequenceStatus.RUNNING
             assert list(task.seq.block_table) == task.target_blocks and task.seq.kv_len == task.keep
-        self._commit(flight["reads"])
         refs_before = list(self.bm.ref_counts)
-        self.in_flight = None  # the compaction is done: its sources may be written from now on
-        self.sched.finish_compressions(tasks)
+        if not self.sched.compressions.poll(self, wait):
+            assert not wait and self.in_flight is flight
+            return
+        assert self.in_flight is None
         released = Counter(b for t in tasks for b in t.pending_release)
         reused = Counter()  # a private pending block may become the request's next working block
         for task in tasks:
@@ -428,8 +450,9 @@ class HybridEngine:
         for b in range(self.bm.num_blocks):
             assert self.bm.ref_counts[b] == refs_before[b] - released[b] + reused[b]
         for task in tasks:
-            assert not task.seq.compressing
-        assert not self.sched.compression_in_flight
+            assert not self._compressing(task.seq)
+            assert task.seq.num_scored_tokens == task.keep  # the counters change once it is done
+        assert not self.sched.compressions.busy
 
     # -- checks -------------------------------------------------------------
     def _check_kv(self, seq: Sequence, upto: int) -> None:
@@ -455,14 +478,14 @@ class HybridEngine:
         assert not {id(s) for s in running} & {id(s) for s in waiting}
         assert len({id(s) for s in running}) == len(running) and len({id(s) for s in waiting}) == len(waiting)
         in_flight = self._in_flight_seqs()
-        assert sched.compression_in_flight == (self.in_flight is not None)
+        assert sched.compressions.busy == (self.in_flight is not None)
         holders = Counter()
         for seq in running:
             assert seq.status is SequenceStatus.RUNNING
             table = list(seq.block_table)
             assert len(set(table)) == len(table)
             holders.update(table)
-            assert seq.compressing == (id(seq) in in_flight)
+            assert self._compressing(seq) == (id(seq) in in_flight)
             assert seq.kv_len <= seq.num_tokens - 1 and len(table) * bs >= seq.kv_len
             if seq.kv_is_token_prefix:
                 assert seq.kv_len == seq.num_tokens - 1
@@ -471,7 +494,7 @@ class HybridEngine:
                 assert all(bm.block_hash[b] is None for b in table), f"{seq} holds a registered block"
             if seq.query_slot is None:
                 assert seq.kv_len <= self.slotless_limit
-            if seq.compressing:
+            if self._compressing(seq):
                 assert self.expect[seq.request_id] is None
             else:
                 assert len(table) <= max(self.N, -(-seq.num_tokens // bs))
@@ -480,7 +503,7 @@ class HybridEngine:
             assert seq.status is SequenceStatus.WAITING and len(seq.block_table) == 0 and seq.kv_len == 0
         for seq in self.finished:
             assert seq.status is SequenceStatus.FINISHED and len(seq.block_table) == 0
-            assert seq.query_slot is None and not seq.compressing
+            assert seq.query_slot is None and not self._compressing(seq)
         if self.in_flight is not None:
             for task in self.in_flight["tasks"]:
                 holders.update(task.pending_release)
@@ -505,7 +528,7 @@ class HybridEngine:
 
     def check_done(self) -> None:
         sched, bm = self.sched, self.bm
-        assert not sched.has_unfinished() and self.in_flight is None and not sched.compression_in_flight
+        assert not sched.has_unfinished() and self.in_flight is None and not sched.compressions.busy
         assert len(self.finished) == len(self.requests)
         for rid, seq in self.requests.items():
             assert seq.is_finished and seq.finish_reason == "length"
@@ -684,10 +707,10 @@ def test_restricted_mode_slot_holder_proceeds_when_a_compression_releases_blocks
     # B needs a block and there is no victim (both hold slots): it waits, not preempted.
     # A's compaction is launched; the block it drops is released only when it is done.
     assert batch.seqs == [] and not batch.preempted and [t.seq for t in batch.compressions] == [a]
-    assert a.compressing and b.status is SequenceStatus.RUNNING and b.kv_len == 4
+    assert eng._compressing(a) and b.status is SequenceStatus.RUNNING and b.kv_len == 4
     assert eng.bm.num_free_blocks == 0
     batch = eng.step()  # still running (delay 1) and nothing else can run: the engine waits for it
-    assert eng.stats["waited"] == 1 and not a.compressing
+    assert eng.stats["waited"] == 1 and not eng._compressing(a)
     # A keeps the block its compaction released as its working block and decodes; B waits on.
     assert batch.seqs == [a] and not batch.preempted and b.kv_len == 4
     assert b.status is SequenceStatus.RUNNING and b.query_slot == 0
@@ -705,12 +728,12 @@ def test_a_compressing_request_is_never_a_victim():
     c = eng.add("C", [2, 0, 1] * 4, 6)  # N full blocks: compressed at its first decode
     assert eng.step().seqs == [d, a, c] and eng.bm.num_free_blocks == 0
     batch = eng.step()
-    assert batch.seqs == [d, a] and [t.seq for t in batch.compressions] == [c] and c.compressing
+    assert batch.seqs == [d, a] and [t.seq for t in batch.compressions] == [c] and eng._compressing(c)
     for _ in range(2):
         assert eng.step().seqs == [d, a]
     # D and A need a block each: C is the newest but being compressed, so A goes (for D).
     batch = eng.step()
-    assert c.compressing and batch.preempted == [a] and batch.seqs == [d]
+    assert eng._compressing(c) and batch.preempted == [a] and batch.seqs == [d]
     assert c.status is SequenceStatus.RUNNING and c.metrics.num_preemptions == 0
     eng.run()
     eng.check_done()
@@ -726,52 +749,59 @@ def test_asynchronous_compaction_skips_decodes_and_defers_release():
     sources = list(a.block_table)
     batch = eng.step()
     (task,) = batch.compressions
-    assert task.seq is a and a.compressing and batch.seqs == [b] and eng.sched.compression_in_flight
+    assert task.seq is a and eng._compressing(a) and batch.seqs == [b] and eng.sched.compressions.busy
     assert task.source_blocks == sources and task.target_blocks == sources[:2]  # private: in place
     assert task.pending_release == sources[2:] and list(a.block_table) == sources[:2] and a.kv_len == 8
     for _ in range(2):  # delay 2: two more steps without A, its dropped block still held
         batch = eng.step()
-        assert batch.seqs == [b] and not batch.compressions and a.compressing
+        assert batch.seqs == [b] and not batch.compressions and eng._compressing(a)
         assert eng.bm.ref_counts[sources[2]] == 1 and sources[2] not in eng.bm.free_blocks
     batch = eng.step()  # collected before scheduling: A rejoins at once
-    assert not a.compressing and not eng.sched.compression_in_flight
+    assert not eng._compressing(a) and not eng.sched.compressions.busy
     assert a in batch.seqs and a.kv_len == 9 and list(a.block_table)[:2] == sources[:2]
     assert sources[2] in eng.bm.free_blocks or sources[2] in list(a.block_table) + list(b.block_table)
     eng.run()
     eng.check_done()
 
 
-def test_scheduler_alone_keeps_a_compressing_request_out_until_finish_compressions():
+def test_scheduler_alone_keeps_a_compressing_request_out_until_its_compaction_is_done():
     comp = CompressionConfig(max_blocks_per_seq=2, window=2, asynchronous=True)
     comp.resolve(4)
     config = SchedulerConfig(max_num_seqs=2, max_model_len=64)
     config.resolve(64)
     bm = BlockManager(8, 4, True, min_recomputed_tokens=2)
     sched = Scheduler(config, bm, comp, num_query_slots=2)
+    compressions = sched.compressions
+    runner = SimpleNamespace(start_compression=lambda tasks: "handle",
+                             compression_done=lambda handle, wait: handle == "handle" and wait)
     a = Sequence("A", None, [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0.0), 8, 0)
     b = Sequence("B", None, [3, 3], SamplingParams(temperature=0.0), 8, 0)
     sched.add(a), sched.add(b)
     batch = sched.schedule()
     for seq in batch.seqs:
-        seq.kv_len = seq.num_tokens
-        bm.register_full_blocks(seq)
+        bm.cache_step(seq, is_prefill=True)
         seq.token_ids.append(0)
+        bm.register_computed(seq, len(seq.token_ids) - 1)
     source = list(a.block_table)
     batch = sched.schedule()
     (task,) = batch.compressions
-    sched.compression_in_flight = True
-    assert batch.seqs == [b] and a.compressing and task.pending_release == [source[1]]
+    assert compressions.is_compressing(a) and not compressions.busy  # planned, not launched
+    assert compressions.launch(runner) == [task] and compressions.busy
+    assert batch.seqs == [b] and compressions.is_compressing(a) and task.pending_release == [source[1]]
+    assert a.metrics.num_compressions == 0 and a.num_scored_tokens == 0  # counted once it is done
     free_before = bm.num_free_blocks
     for _ in range(3):
         for seq in batch.seqs:
-            seq.kv_len += 1
+            bm.cache_step(seq, is_prefill=False)
             seq.token_ids.append(0)
         batch = sched.schedule()
         assert batch.seqs == [b] and not batch.compressions
         assert bm.ref_counts[source[1]] == 1 and source[1] not in bm.free_blocks
+        assert compressions.poll(runner, wait=False) == []  # not done yet
     assert bm.num_free_blocks <= free_before
-    sched.finish_compressions([task])
-    assert not a.compressing and not sched.compression_in_flight
+    assert compressions.poll(runner, wait=True) == [task]
+    assert not compressions.is_compressing(a) and not compressions.busy
+    assert a.metrics.num_compressions == 1 and a.num_scored_tokens == task.keep == 4
     # A's next token starts a block: the released source block becomes it (not back to the pool).
     assert bm.ref_counts[source[1]] == 1 and list(a.block_table) == [source[0], source[1]]
     assert source[1] not in bm.free_blocks
@@ -875,3 +905,62 @@ def test_random_hybrid_workloads(workload):
     total_tokens = sum(len(p) + m for _, _, p, m in requests)
     eng.run(requests, max_steps=20 * total_tokens + max(r[0] for r in requests) + 10)
     eng.check_done()
+
+
+# -- guards of the step being built and of plan-time bookkeeping -------------------------------------
+def _running(sched: Scheduler, bm: BlockManager, request_id: str, num_tokens: int, kv_len: int, blocks: int):
+    """A running request placed by hand: ``blocks`` private blocks, ``kv_len`` cached tokens."""
+    seq = Sequence(request_id, None, [1] * num_tokens, SamplingParams(temperature=0.0), 64, 0)
+    for _ in range(blocks):
+        bm.append_slot(seq) if bm.needs_block(seq) else None
+        seq.kv_len = len(seq.block_table) * bm.block_size  # (by hand: fill the block just taken)
+    seq.kv_len = kv_len
+    seq.kv_is_token_prefix = False
+    seq.status = SequenceStatus.RUNNING
+    sched.running.append(seq)
+    return seq
+
+
+def test_a_request_already_placed_in_the_step_is_never_preempted():
+    # C and A (older) are placed first; B, the newest, needs a block and cannot itself be
+    # recomputed (compacted, more tokens than the cache holds). Without another victim it waits:
+    # preempting A, already in the step, would run A's forward on freed blocks.
+    comp = CompressionConfig(max_blocks_per_seq=3, window=2, hybrid=False, asynchronous=False)
+    comp.resolve(4)
+    config = SchedulerConfig(max_num_seqs=3, max_model_len=64)
+    config.resolve(64)
+    bm = BlockManager(3, 4, False, min_recomputed_tokens=2)
+    sched = Scheduler(config, bm, comp, num_query_slots=3)
+    c = _running(sched, bm, "C", num_tokens=3, kv_len=2, blocks=1)
+    a = _running(sched, bm, "A", num_tokens=2, kv_len=1, blocks=1)
+    b = _running(sched, bm, "B", num_tokens=30, kv_len=4, blocks=1)
+    assert bm.num_free_blocks == 0 and b.num_tokens > sched.max_recompute_tokens
+    batch = sched.schedule()
+    assert batch.seqs == [c, a] and batch.preempted == []
+    assert a.status is SequenceStatus.RUNNING and len(a.block_table) == 1
+
+
+def test_counters_count_compressions_that_ran_and_a_recompute_pools_its_first_compression():
+    # Synchronous compression in a tiny cache, so that requests are preempted and recomputed.
+    # A recomputed request's KV is fresh: its next compression is its first, max-pooled.
+    eng = HybridEngine(num_blocks=5, block_size=4, max_blocks_per_seq=2, window=2, max_num_seqs=4,
+                       hybrid=False, asynchronous=False, prefix_caching=False)
+    ran = []
+    compress = eng.compress
+
+    def recording(tasks):
+        ran.extend((t.seq.request_id, t.seq.metrics.num_preemptions, t.pool, t.num_previous) for t in tasks)
+        compress(tasks)
+
+    eng.compress = recording
+    for i, length in enumerate((5, 3, 8)):
+        eng.add(f"R{i}", [(i + j) % 3 for j in range(length)], 14)
+    eng.run()
+    eng.check_done()
+    for _, _, pool, num_previous in ran:
+        assert pool == (num_previous == 0)  # pooled exactly at each incarnation's first compression
+    # R2 compressed, was preempted, and compressed again after its recompute.
+    r2 = [(preemptions, pool) for rid, preemptions, pool, _ in ran if rid == "R2"]
+    assert (0, True) in r2 and any(preemptions > 0 and pool for preemptions, pool in r2)
+    for rid, seq in eng.requests.items():  # counters: only the compressions that ran
+        assert seq.metrics.num_compressions == sum(1 for r in ran if r[0] == rid)

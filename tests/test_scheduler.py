@@ -77,7 +77,7 @@ class FakeEngine:
         self._run(batch)
         for seq in batch.seqs:  # LLMEngine.step's order
             seq.kv_len = seq.num_tokens if batch.is_prefill else seq.kv_len + 1
-            bm.register_full_blocks(seq)
+            bm.register_computed(seq, seq.kv_len)
             seq.token_ids.append(fake_token(seq.request_id, seq.num_tokens))
             if seq.num_output_tokens >= seq.max_tokens:
                 sched.finish(seq, "length")

@@ -169,7 +169,8 @@ def _cost_beside_decode(llm, num_decoding: int, counts: list[int], rng: random.R
             runner.compress(tasks)
         _synchronize(device)
         isolated = (time.perf_counter() - start) / 3
-        engine.scheduler.finish_compressions(tasks)
+        for task in tasks:  # planned outside the engine's lifecycle: release the sources here
+            bm.finish_compaction(task.seq, task.pending_release)
         _finish(llm, seqs)
         rows.append(dict(requests=count, decoding=num_decoding, isolated_ms=1000 * isolated,
                          step_alone_ms=1000 * alone / steps, step_beside_ms=1000 * together / steps,

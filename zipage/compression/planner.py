@@ -39,20 +39,15 @@ def needs_compression(seq: Sequence, bm: BlockManager, config: CompressionConfig
 
 def plan_compression(seq: Sequence, bm: BlockManager, config: CompressionConfig,
                      asynchronous: bool = False) -> CompressionTask:
-    """Take target blocks for ``seq`` and update its bookkeeping to the compacted state."""
-    keep = config.kv_budget_tokens
+    """Take target blocks for ``seq``; its cache counts as compacted from now on (``kv_len`` is
+    the kept length). Its counters change only once the compaction is done (``lifecycle.py``)."""
     num_tokens = seq.kv_len
     sources, targets, pending = bm.compact(seq, config.max_blocks_per_seq - 1, defer_release=asynchronous)
-    task = CompressionTask(
-        seq=seq, source_blocks=sources, target_blocks=targets, num_tokens=num_tokens, keep=keep,
+    return CompressionTask(
+        seq=seq, source_blocks=sources, target_blocks=targets, num_tokens=num_tokens, keep=seq.kv_len,
         pending_release=pending,
         num_previous=seq.num_scored_tokens,
         last_position=seq.num_tokens - 2,  # the newest token (last sampled) is not cached yet
-        pool=config.pooling_width is not None and (seq.metrics.num_compressions == 0
-                                                   or config.pool_every_compression),
+        # Scores are fresh at the first compression since the cache was (re)computed: pool them.
+        pool=config.pooling_width is not None and (seq.num_scored_tokens == 0 or config.pool_every_compression),
         protected=config.protected_tokens(seq.num_prompt_tokens))
-    seq.kv_len = keep
-    seq.num_scored_tokens = keep
-    seq.metrics.num_compressions += 1
-    seq.metrics.evicted_tokens += num_tokens - keep
-    return task

@@ -1,10 +1,17 @@
-"""Where KV lives: the block pool, reference counts and the prefix cache.
+"""Where KV lives: the block pool, reference counts, block tables and the prefix cache.
+
+The block manager is the only writer of a request's block table and of ``kv_len``
+(the tokens whose keys and values sit in its blocks).
 
 Full blocks are identified by a chained hash of their token ids (each block's
 hash covers every token before it too), so equal hashes mean equal prefixes. A
-block is cached as soon as the step that computes it is scheduled. A freed block
-keeps its hash and contents until the pool hands it out again; a later request
-with the same prefix takes it back without recomputing it.
+prefill's full blocks are cached as soon as it is scheduled, so that requests
+admitted in the same step share them; those entries are provisional until the step
+is known to have run: a failed step withdraws them (``withdraw``) before any later
+step can hit them. A block that decoding fills is cached only once the step that
+wrote its last token's KV has been read back. A freed block keeps its hash and
+contents until the pool hands it out again; a later request with the same prefix
+takes it back without recomputing it.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.prefix_hit_tokens = 0  # lifetime counters, for statistics
         self.prefix_query_tokens = 0
+        self.new_entries: list[tuple[int, int]] = []  # (hash, block) cached by prefills since the last take
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,11 +87,24 @@ class BlockManager:
         """How many of ``seq``'s tokens the prefix cache would serve now."""
         return len(self._cached_prefix(seq)) * self.block_size
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """Enter the blocks that decoding has filled in the prefix cache."""
-        self._register(seq, seq.kv_len // self.block_size)
+    def register_computed(self, seq: Sequence, num_computed: int) -> None:
+        """Enter in the prefix cache the full blocks among ``seq``'s first ``num_computed`` tokens,
+        whose KV is known to be written (the steps that computed it were read back)."""
+        self._register(seq, min(num_computed, seq.kv_len) // self.block_size)
 
-    def _register(self, seq: Sequence, num_full: int) -> None:
+    def take_new_entries(self) -> list[tuple[int, int]]:
+        """The provisional entries of the prefills scheduled since the last call."""
+        entries, self.new_entries = self.new_entries, []
+        return entries
+
+    def withdraw(self, entries: list[tuple[int, int]]) -> None:
+        """Remove prefix-cache entries whose KV was never computed (their step failed)."""
+        for h, block_id in entries:
+            if self.hash_to_block.get(h) == block_id:
+                del self.hash_to_block[h]
+                self.block_hash[block_id] = None
+
+    def _register(self, seq: Sequence, num_full: int, provisional: bool = False) -> None:
         if (not self.enable_prefix_caching or not seq.kv_is_token_prefix
                 or num_full <= seq.num_registered_blocks):
             return
@@ -93,6 +114,8 @@ class BlockManager:
             if hashes[i] not in self.hash_to_block and self.block_hash[block_id] is None:
                 self.hash_to_block[hashes[i]] = block_id
                 self.block_hash[block_id] = hashes[i]
+                if provisional:
+                    self.new_entries.append((hashes[i], block_id))
         seq.num_registered_blocks = num_full
 
     # -- allocation -------------------------------------------------------
@@ -130,7 +153,7 @@ class BlockManager:
         seq.num_registered_blocks = len(cached)
         # The full blocks this prefill computes are cached now, so that requests admitted in
         # the same step share them: every layer stores the step's KV before attention reads it.
-        self._register(seq, seq.num_tokens // self.block_size)
+        self._register(seq, seq.num_tokens // self.block_size, provisional=True)
         self.prefix_hit_tokens += seq.num_prefix_hit_tokens
         self.prefix_query_tokens += seq.num_tokens
 
@@ -153,6 +176,11 @@ class BlockManager:
         """Make room in ``seq``'s block table for its next token."""
         if self.needs_block(seq):
             seq.block_table.append(self._take_free_block())
+
+    def cache_step(self, seq: Sequence, is_prefill: bool) -> None:
+        """A step that computes ``seq``'s tokens was launched: count their KV as cached
+        (a prefill: every token on the host; a decode: the one input token)."""
+        seq.kv_len = len(seq.token_ids) if is_prefill else seq.kv_len + 1
 
     # -- compaction (compression) -----------------------------------------
     def _fresh_targets_needed(self, seq: Sequence, num_targets: int) -> int:
@@ -189,6 +217,7 @@ class BlockManager:
         kept = set(targets)
         dropped = [b for b in sources if b not in kept]
         seq.block_table.replace(targets)
+        seq.kv_len = num_targets * self.block_size
         seq.kv_is_token_prefix = False
         seq.num_registered_blocks = 0
         if defer_release:

@@ -1,6 +1,14 @@
-"""The engine loop: add requests, step (schedule -> run -> process outputs), abort.
+"""The engine loop: add requests, step (collect -> schedule -> launch -> finish), abort.
 
 ``LLM`` (offline) and the server both drive this class.
+
+A failure is contained to the requests it concerns. When the runner raises while
+launching a compression, a prefill or a decode step, while sampling, or while the
+engine reads a step's tokens or polls a compression, those requests end with
+``finish_reason == "error"`` (the output's ``error`` says what failed) and every other
+request carries on: their blocks return to the pool, the prefix-cache entries the
+failed step made are withdrawn before anyone can hit them, and compressions are
+abandoned through their one owner (``compression/lifecycle.py``).
 """
 
 from __future__ import annotations
@@ -9,19 +17,22 @@ import itertools
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zipage.config import EngineConfig
 from zipage.engine.block_manager import BlockManager
 from zipage.engine.detokenizer import IncrementalDetokenizer
-from zipage.engine.scheduler import Scheduler
+from zipage.engine.scheduler import ScheduledBatch, Scheduler
 from zipage.engine.sequence import Sequence
 from zipage.outputs import CompletionOutput, RequestOutput
 from zipage.sampling_params import SamplingParams
 from zipage.utils.loader import load_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+OCCUPANCY_STEPS = 10_000  # steps whose occupancy ``EngineStats`` keeps (the most recent)
 
 
 @dataclass
@@ -40,20 +51,30 @@ class StepStats:
 
 @dataclass
 class EngineStats:
-    """Engine-wide numbers since the engine started."""
+    """Engine-wide numbers since the engine started, in bounded memory."""
 
     num_steps: int = 0
     peak_running: int = 0
     num_compressions: int = 0
     compression_s: float = 0.0
-    # one entry per step: (seconds since start, blocks in use, running requests)
-    occupancy: list = field(default_factory=list)
+    num_failed_requests: int = 0  # ended with finish_reason "error"
+    # the last OCCUPANCY_STEPS steps: (seconds since start, blocks in use, running requests)
+    occupancy: deque = field(default_factory=lambda: deque(maxlen=OCCUPANCY_STEPS))
+
+
+@dataclass
+class LaunchedStep:
+    """A step on the device whose tokens are not read yet (asynchronous scheduling)."""
+
+    handle: object  # the runner's
+    seqs: list[Sequence]
+    cache_entries: list  # provisional prefix-cache entries its prefill made
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner=None):
         """``runner``: the model runner to drive (default: built from ``config``); ``bench replay``
-        passes one that only keeps time."""
+        and the tests pass doubles with the same methods."""
         from zipage.runner.tensor_parallel import make_runner
 
         self.config = config
@@ -77,12 +98,13 @@ class LLMEngine:
             min_recomputed_tokens=config.compression.window if config.compression else 1)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.compression,
                                    self.runner.num_query_slots)
-        self._in_flight = None  # (runner handle, tasks) of the asynchronous compression batch
+        self.compressions = self.scheduler.compressions  # None without compression
         self.async_scheduling = (config.scheduler.async_scheduling
                                  and getattr(self.runner, "supports_async_scheduling", False))
-        self._launched = None  # the step in flight whose tokens are not read yet (asynchronous scheduling)
+        self._launched: LaunchedStep | None = None  # asynchronous scheduling: the step in flight
         self._wait_for_launched = False  # the next schedule needs its tokens (see _count_launched)
         self._waited_s = 0.0
+        self._outbox: list[RequestOutput] = []  # outputs made outside a step's own flow (failures)
         self.stats = EngineStats()
         self._start_time = time.perf_counter()
         self.eos_token_ids = self._eos_token_ids()
@@ -90,7 +112,7 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._streamed: dict[str, list[int]] = {}  # streamed request id -> [text chars, token ids] returned
+        self._streamed: dict[str, int] = {}  # streamed request id -> output token ids returned so far
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -151,7 +173,7 @@ class LLMEngine:
             self._detokenizers[seq.request_id] = IncrementalDetokenizer(
                 self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
         if stream:
-            self._streamed[seq.request_id] = [0, 0]
+            self._streamed[seq.request_id] = 0
         self.scheduler.add(seq)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -164,10 +186,9 @@ class LLMEngine:
         seq = self._requests.get(request_id)
         if seq is None or seq.is_finished:
             return None
-        if seq.compressing:  # its blocks are being compacted: let that finish first
-            self._collect_compression(wait=True)
-        self.scheduler.finish(seq, "abort")
-        return self._output(seq)
+        output = self._end(seq, "abort")
+        self._forget_released()
+        return output
 
     def close(self) -> None:
         """Stop the tensor-parallel follower processes, if any (the engine is unusable after)."""
@@ -178,7 +199,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         # A step still in flight when none is unfinished holds only finished requests: its tokens
         # are dropped whenever it is collected.
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._outbox)
 
     # -- the loop ---------------------------------------------------------
     def step(self, async_callback: Callable[[], None] | None = None
@@ -203,64 +224,114 @@ class LLMEngine:
         """
         start = time.perf_counter()
         self._waited_s = 0.0  # of this call, spent waiting for the device's tokens (not host work)
-        outputs: list[RequestOutput] = []
-        self._collect_compression(wait=False)
+        self._poll_compressions(wait=False)
         if self._launched is not None and self._wait_for_launched:
-            outputs += self._finish_launched()
-        batch = self.scheduler.schedule()
-        if batch is None and self._launched is not None:
-            outputs += self._finish_launched()  # its requests may finish and free what the others wait for
+            self._collect_launched()
+        batch = self._schedule()
+        if batch is None:
+            self._forget_released()
+            return self._take_outputs(), None
+        stats = StepStats(batch.is_prefill, len(batch.seqs), batch.num_tokens, len(batch.preempted),
+                          num_compressed=len(batch.compressions), num_running=len(self.scheduler.running),
+                          num_waiting=len(self.scheduler.waiting))
+        scheduled = time.perf_counter()
+        self._launch_compressions(batch)
+        stats.compression_s = time.perf_counter() - scheduled
+        host_s = scheduled - start - self._waited_s
+        if batch.seqs:
+            host_s += self._run(batch, stats, async_callback)
+        elif self._launched is not None:
+            # Only compressions this step: read the step in flight now, since a request this schedule
+            # preempted may be readmitted (prefilled from all its tokens) by the next one.
+            self._collect_launched()
+        self._forget_released()
+        stats.host_s = host_s + self.runner.last_prepare_s
+        self._record(stats)
+        return self._take_outputs(), stats
+
+    def _schedule(self) -> ScheduledBatch | None:
+        """The next step's work, collecting what it waits for; None when nothing is left to run."""
+        try:
             batch = self.scheduler.schedule()
-        if batch is None and self._in_flight is not None:
-            self._collect_compression(wait=True)  # nothing else can run until the compaction is done
-            batch = self.scheduler.schedule()
+            if batch is None and self._launched is not None:
+                self._collect_launched()  # its requests may finish and free what the others wait for
+                batch = self.scheduler.schedule()
+            if batch is None and self.compressions is not None and self.compressions.busy:
+                self._poll_compressions(wait=True)  # nothing else can run until the compaction is done
+                batch = self.scheduler.schedule()
+        except BaseException:
+            self.block_manager.withdraw(self.block_manager.take_new_entries())
+            raise
         if batch is None:
             if self.scheduler.has_unfinished():
                 bm = self.block_manager
                 raise RuntimeError(f"scheduler made no progress: {len(self.scheduler.running)} running, "
                                    f"{len(self.scheduler.waiting)} waiting, {bm.num_free_blocks}/{bm.num_blocks} "
                                    "blocks free")
-            return outputs, None
-        stats = StepStats(batch.is_prefill, len(batch.seqs), batch.num_tokens, len(batch.preempted),
-                          num_compressed=len(batch.compressions), num_running=len(self.scheduler.running),
-                          num_waiting=len(self.scheduler.waiting))
-        scheduled = time.perf_counter()
-        if batch.compressions:
-            if self.scheduler.asynchronous:
-                self._in_flight = (self.runner.start_compression(batch.compressions), batch.compressions)
-                self.scheduler.compression_in_flight = True
-            else:
-                self.runner.compress(batch.compressions)
-            stats.compression_s = time.perf_counter() - scheduled
-        host_s = scheduled - start - self._waited_s
-        if batch.seqs:
-            if self.async_scheduling:
-                previous = self._launched
-                self._launched = self.runner.launch(batch.seqs, batch.is_prefill, self.eos_token_ids,
-                                                    previous=previous)
-                self._count_launched(batch, stats)
-                if async_callback is not None:
-                    async_callback()
-                if previous is not None:
-                    finished_at, waited = time.perf_counter(), self._waited_s
-                    outputs += self._finish(previous)
-                    host_s += time.perf_counter() - finished_at - (self._waited_s - waited)
-            else:
+            return None
+        batch.cache_entries = self.block_manager.take_new_entries()
+        return batch
+
+    def _launch_compressions(self, batch: ScheduledBatch) -> None:
+        """Run or start the step's compressions; if that fails, their requests end (and leave the batch)."""
+        if not batch.compressions:
+            return
+        try:
+            self.compressions.launch(self.runner)
+        except Exception as error:  # noqa: BLE001 - contained to the requests compressed
+            tasks = self.compressions.planned
+            self.compressions.abandon(tasks)
+            failed = {task.seq for task in tasks}
+            batch.seqs = [seq for seq in batch.seqs if seq not in failed]  # synchronous: to decode after it
+            self._fail(list(failed), [], error, "launching a compression")
+
+    def _poll_compressions(self, wait: bool) -> None:
+        """Finish the in-flight compression batch if it is done (or, with ``wait``, once it is)."""
+        if self.compressions is None or not self.compressions.busy:
+            return
+        try:
+            self.compressions.poll(self.runner, wait)
+        except Exception as error:  # noqa: BLE001 - contained to the requests compressed
+            tasks = self.compressions.in_flight
+            self.compressions.abandon(tasks)
+            self._fail([task.seq for task in tasks], [], error, "a compression")
+
+    def _run(self, batch: ScheduledBatch, stats: StepStats, async_callback) -> float:
+        """Launch the step's forward and hand out the tokens that are ready; return host seconds spent
+        handing them out."""
+        if not self.async_scheduling:
+            try:
                 token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids,
                                                 async_callback=async_callback)
-                self._count_launched(batch, stats)
-                finished_at = time.perf_counter()
-                outputs += self._append_tokens(batch.seqs, token_ids)
-                host_s += time.perf_counter() - finished_at
-        elif self._launched is not None:
-            # Only compressions this step: read the step in flight now, since a request this schedule
-            # preempted may be readmitted (prefilled from all its tokens) by the next one.
-            outputs += self._finish_launched()
-        stats.host_s = host_s + self.runner.last_prepare_s
-        self._record(stats)
-        return outputs, stats
+            except Exception as error:  # noqa: BLE001 - contained to the step's requests
+                self._fail(batch.seqs, batch.cache_entries, error, self._step_name(batch))
+                return 0.0
+            self._count_launched(batch, stats)
+            finished_at = time.perf_counter()
+            self._append_tokens(batch.seqs, token_ids)
+            return time.perf_counter() - finished_at
+        previous = self._launched
+        try:
+            handle = self.runner.launch(batch.seqs, batch.is_prefill, self.eos_token_ids,
+                                        previous=previous.handle if previous is not None else None)
+        except Exception as error:  # noqa: BLE001 - contained to the step's requests; the previous stays
+            self._fail(batch.seqs, batch.cache_entries, error, self._step_name(batch))
+            return 0.0
+        self._launched = LaunchedStep(handle, batch.seqs, batch.cache_entries)
+        self._count_launched(batch, stats)
+        if async_callback is not None:
+            async_callback()
+        if previous is None:
+            return 0.0
+        finished_at, waited = time.perf_counter(), self._waited_s
+        self._collect(previous, self._launched)
+        return time.perf_counter() - finished_at - (self._waited_s - waited)
 
-    def _count_launched(self, batch, stats: StepStats) -> None:
+    @staticmethod
+    def _step_name(batch: ScheduledBatch) -> str:
+        return "a prefill step" if batch.is_prefill else "a decode step"
+
+    def _count_launched(self, batch: ScheduledBatch, stats: StepStats) -> None:
         """A launched step's requests hold one more (pending) token, whose KV the step caches.
 
         The next step waits for this one's tokens (``_wait_for_launched``) when a request
@@ -269,62 +340,122 @@ class LLMEngine:
         """
         wait = False
         for seq in batch.seqs:
+            self.block_manager.cache_step(seq, batch.is_prefill)
             seq.num_pending += 1
             wait = (wait or seq.num_output_tokens >= seq.max_tokens
                     or seq.sampling_params.repetition_penalty != 1.0)
             if batch.is_prefill:
-                seq.kv_len = seq.num_tokens - 1
                 if seq.num_output_tokens == 1:
                     seq.metrics.num_cached_prompt_tokens = seq.num_prefix_hit_tokens
             else:
-                seq.kv_len += 1
                 seq.metrics.peak_blocks = max(seq.metrics.peak_blocks, len(seq.block_table))
         if not batch.is_prefill:
             stats.kv_tokens = sum(seq.kv_len for seq in batch.seqs)  # what the step's attention reads
         self._wait_for_launched = wait
 
-    def _finish_launched(self) -> list[RequestOutput]:
+    def _collect_launched(self) -> None:
         launched, self._launched = self._launched, None
-        return self._finish(launched)
+        self._collect(launched)
 
-    def _finish(self, launched) -> list[RequestOutput]:
-        """Read a launched step's tokens (waiting for the device) and hand them to their requests."""
+    def _collect(self, launched: LaunchedStep, next_step: LaunchedStep | None = None) -> None:
+        """Read a launched step's tokens (waiting for the device) and hand them to their requests.
+
+        If that fails, its requests end, and so do those of ``next_step`` (launched after it):
+        the device fed them its tokens and their prefill may have read KV it was to write."""
         waiting = time.perf_counter()
-        token_ids = self.runner.collect(launched)
-        self._waited_s += time.perf_counter() - waiting
-        return self._append_tokens(launched.seqs, token_ids)
+        try:
+            token_ids = self.runner.collect(launched.handle)
+        except Exception as error:  # noqa: BLE001 - contained to the steps concerned
+            seqs, entries = launched.seqs, launched.cache_entries
+            if next_step is not None:
+                self._launched = None
+                seqs, entries = seqs + next_step.seqs, entries + next_step.cache_entries
+            self._fail(seqs, entries, error, "reading a step's tokens")
+            return
+        finally:
+            self._waited_s += time.perf_counter() - waiting
+        self._append_tokens(launched.seqs, token_ids)
 
-    def _append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> list[RequestOutput]:
-        """Give each request its sampled token; stop those that are done; return the outputs."""
-        outputs = []
+    def _append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> None:
+        """Give each request its sampled token; stop those that are done; queue the outputs."""
         now = time.perf_counter()
+        bm = self.block_manager
         for seq, token_id in zip(seqs, token_ids):
             if seq.is_finished:
                 continue  # stopped (or aborted) after this step was launched: the token is dropped
             seq.num_pending -= 1
             seq.token_ids.append(token_id)
-            self.block_manager.register_full_blocks(seq)
+            bm.register_computed(seq, len(seq.token_ids) - 1)  # the new token's KV is not computed yet
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
-            reason = self._stop_reason(seq, token_id)
+            try:
+                reason = self._stop_reason(seq, token_id)
+            except Exception as error:  # noqa: BLE001 - e.g. a tokenizer failing on this output
+                self._fail([seq], [], error, "processing an output token")
+                continue
             if reason is not None:
-                if seq.compressing:  # planned for compression before its stop was seen: let that finish
-                    self._collect_compression(wait=True)
-                self.scheduler.finish(seq, *reason)
-                outputs.append(self._output(seq))
+                self._outbox.append(self._end(seq, *reason))
             elif seq.request_id in self._streamed:
-                outputs.append(self._partial_output(seq))
-        return outputs
+                self._outbox.append(self._partial_output(seq))
 
-    def _collect_compression(self, wait: bool) -> None:
-        """Finish the in-flight compression batch if it is done (or, with ``wait``, once it is)."""
-        if self._in_flight is None:
-            return
-        handle, tasks = self._in_flight
-        if not self.runner.compression_done(handle, wait):
-            return
-        self.scheduler.finish_compressions(tasks)
-        self._in_flight = None
+    def _stop_reason(self, seq: Sequence, token_id: int):
+        """``(finish_reason, stop_reason)`` if ``seq`` is done after ``token_id``, else None.
+
+        Stop tokens are checked first: a token that stops the request is not detokenized
+        (it is not part of the text)."""
+        params = seq.sampling_params
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens  # up to token_id: later ones may be pending
+        if num_output >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return "stop", token_id
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop", None
+        detok = self._detokenizers.get(seq.request_id)
+        if detok is not None:
+            stop = detok.update(token_id)
+            if stop is not None:
+                return "stop", stop
+        if num_output >= seq.max_tokens:
+            return "length", None
+        return None
+
+    # -- ending requests ----------------------------------------------------
+    def _end(self, seq: Sequence, reason: str, stop_reason=None) -> RequestOutput:
+        """Finish ``seq`` (releasing its blocks) and return its final output."""
+        compressions = self.compressions
+        if compressions is not None and compressions.is_compressing(seq):
+            if seq in {task.seq for task in compressions.in_flight}:
+                self._poll_compressions(wait=True)  # its blocks are being compacted: let that finish
+            else:  # planned, never launched (the step failed before): nothing reads its blocks
+                compressions.abandon([task for task in compressions.planned if task.seq is seq])
+        if not seq.is_finished:  # (a failed poll above may have ended it)
+            self.scheduler.finish(seq, reason, stop_reason)
+        return self._output(seq)
+
+    def _fail(self, seqs: list[Sequence], cache_entries: list, error: BaseException, what: str) -> None:
+        """End ``seqs`` with an error after ``what`` raised ``error``; withdraw the prefix-cache
+        entries whose KV the failed work was to compute."""
+        self.block_manager.withdraw(cache_entries)
+        failed = [seq for seq in dict.fromkeys(seqs) if not seq.is_finished]
+        logger.error("%s failed; ending request(s) %s", what, ", ".join(s.request_id for s in failed),
+                     exc_info=(type(error), error, error.__traceback__))
+        message = f"{what} failed: {type(error).__name__}: {error}"
+        for seq in failed:
+            seq.error = message
+            if not seq.is_finished:
+                self._outbox.append(self._end(seq, "error"))
+        self.stats.num_failed_requests += len(failed)
+
+    def _forget_released(self) -> None:
+        """Tell the runner which requests it no longer runs (their per-request state may go)."""
+        released = self.scheduler.take_released()
+        forget = getattr(self.runner, "forget", None)
+        if released and forget is not None:
+            forget(released)
+
+    def _take_outputs(self) -> list[RequestOutput]:
+        outputs, self._outbox = self._outbox, []
+        return outputs
 
     def _record(self, step: StepStats) -> None:
         es, bm = self.stats, self.block_manager
@@ -335,37 +466,16 @@ class LLMEngine:
         es.occupancy.append((time.perf_counter() - self._start_time, bm.num_blocks - bm.num_free_blocks,
                              step.num_running))
 
-    def _stop_reason(self, seq: Sequence, token_id: int):
-        """``(finish_reason, stop_reason)`` if ``seq`` is done after ``token_id``, else None."""
-        params = seq.sampling_params
-        detok = self._detokenizers.get(seq.request_id)
-        if detok is not None:
-            stop = detok.update(seq.output_token_ids)
-            if stop is not None:
-                return "stop", stop
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens  # up to token_id: later ones may be pending
-        if num_output >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                return "stop", token_id
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return "stop", None
-        if num_output >= seq.max_tokens:
-            return "length", None
-        return None
-
+    # -- outputs ------------------------------------------------------------
     def _partial_output(self, seq: Sequence) -> RequestOutput:
         """What a streamed, unfinished request produced since its previous output."""
         sent = self._streamed[seq.request_id]
-        text = ""
         detok = self._detokenizers.get(seq.request_id)
-        if detok is not None:
-            # Hold back what a stop string completed by later tokens could still cut off.
-            end = len(detok.text) - (max((len(s) for s in detok.stop), default=1) - 1)
-            if end > sent[0]:
-                text, sent[0] = detok.text[sent[0]:end], end
-        token_ids = seq.token_ids[seq.num_prompt_tokens + sent[1]:]
-        prompt_ids = seq.token_ids[:seq.num_prompt_tokens] if sent[1] == 0 else []
-        sent[1] += len(token_ids)
+        # Hold back what a stop string completed by later tokens could still cut off.
+        text = detok.take(hold_back=max(len(s) for s in detok.stop) - 1 if detok.stop else 0) if detok else ""
+        token_ids = seq.token_ids[seq.num_prompt_tokens + sent:]
+        prompt_ids = seq.token_ids[:seq.num_prompt_tokens] if sent == 0 else []
+        self._streamed[seq.request_id] = sent + len(token_ids)
         return RequestOutput(seq.request_id, seq.prompt, prompt_ids, [CompletionOutput(0, text, token_ids)],
                              finished=False, metrics=seq.metrics)
 
@@ -373,21 +483,20 @@ class LLMEngine:
         """The final output of a finished request (for a streamed one: only its new part)."""
         detok = self._detokenizers.pop(seq.request_id, None)
         self._requests.pop(seq.request_id, None)
-        output_ids = seq.output_token_ids
-        prompt_ids = seq.token_ids[:seq.num_prompt_tokens]
-        if detok is not None and detok.stop:
-            text = detok.text
+        sent = self._streamed.pop(seq.request_id, None)
+        if detok is not None:
+            if not isinstance(seq.stop_reason, str):  # not cut at a stop string: release the tail too
+                detok.flush()
+            text = detok.take() if sent is not None else detok.text
         elif self.tokenizer is not None:
-            ids = output_ids
-            if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str):
+            ids = seq.token_ids[seq.num_prompt_tokens:]
+            if seq.finish_reason == "stop":
                 ids = ids[:-1]  # the token that stopped the request is not part of the text
             text = self.tokenizer.decode(ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
         else:
             text = ""
-        sent = self._streamed.pop(seq.request_id, None)
-        if sent is not None:
-            text, output_ids = text[sent[0]:], output_ids[sent[1]:]
-            prompt_ids = prompt_ids if sent[1] == 0 else []
+        output_ids = seq.token_ids[seq.num_prompt_tokens + (sent or 0):]
+        prompt_ids = seq.token_ids[:seq.num_prompt_tokens] if not sent else []
         completion = CompletionOutput(0, text, output_ids, seq.finish_reason, seq.stop_reason)
         return RequestOutput(seq.request_id, seq.prompt, prompt_ids, [completion], finished=True,
-                             metrics=seq.metrics)
+                             metrics=seq.metrics, error=seq.error)

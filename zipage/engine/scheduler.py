@@ -15,8 +15,9 @@ and follows the hybrid scheduling of Compressed PagedAttention:
   without one.
 - A request being compressed asynchronously skips decode steps until its
   compaction is done; at most one compression batch is in flight.
-- When blocks run out, the newest running request that holds no slot and is not
-  being compressed is preempted (recomputed later). With no such request the one
+- When blocks run out, the newest running request that holds no slot, is not
+  being compressed and is not already placed in the step being built is preempted
+  (recomputed later). With no such request the one
   that needed a block waits this step ("restricted" mode). Should no request at
   all make progress in a step (slot holders all waiting on blocks that only
   another slot holder could free, as when they share a long prompt's blocks), the
@@ -24,8 +25,11 @@ and follows the hybrid scheduling of Compressed PagedAttention:
 - Only a request whose tokens fit the cache when recomputed is ever preempted.
 
 Without hybrid scheduling every running request holds a slot (at most M run), and
-preemption takes the newest running request not being compressed, possibly the
-requester itself.
+preemption takes the newest running request not being compressed nor placed in the
+step, possibly the requester itself.
+
+A compression's state lives in ``Compressions`` (``compression/lifecycle.py``); the
+scheduler plans through it and asks it which requests are being compressed.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from zipage.compression.planner import CompressionTask, needs_compression, plan_compression
+from zipage.compression.lifecycle import Compressions
+from zipage.compression.planner import CompressionTask, needs_compression
 from zipage.config import CompressionConfig, SchedulerConfig
 from zipage.engine.block_manager import BlockManager
 from zipage.engine.sequence import Sequence, SequenceStatus
@@ -46,6 +51,7 @@ class ScheduledBatch:
     is_prefill: bool
     preempted: list[Sequence] = field(default_factory=list)
     compressions: list[CompressionTask] = field(default_factory=list)  # launched before the forward
+    cache_entries: list = field(default_factory=list)  # provisional prefix-cache entries of its prefill
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +59,46 @@ class ScheduledBatch:
         if not self.is_prefill:
             return len(self.seqs)
         return sum(s.num_tokens - s.num_prefix_hit_tokens for s in self.seqs)
+
+
+class WaitingQueue:
+    """Requests waiting for admission, in line. Removing one is O(1): a finished request is
+    only counted out, and passed over once it reaches the head of the line."""
+
+    def __init__(self):
+        self._queue: deque[Sequence] = deque()
+        self._len = 0
+
+    def append(self, seq: Sequence) -> None:
+        self._queue.append(seq)
+        self._len += 1
+
+    def appendleft(self, seq: Sequence) -> None:
+        self._queue.appendleft(seq)
+        self._len += 1
+
+    def remove(self, seq: Sequence) -> None:
+        """Count ``seq`` out; the caller marks it finished, which makes it skipped."""
+        self._len -= 1
+
+    def _trim(self) -> None:
+        while self._queue and self._queue[0].status is not SequenceStatus.WAITING:
+            self._queue.popleft()
+
+    def first(self) -> Sequence:
+        self._trim()
+        return self._queue[0]
+
+    def popleft(self) -> Sequence:
+        self._trim()
+        self._len -= 1
+        return self._queue.popleft()
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self):
+        return (seq for seq in self._queue if seq.status is SequenceStatus.WAITING)
 
 
 class Scheduler:
@@ -63,15 +109,17 @@ class Scheduler:
         # A preempted request is recomputed from all its tokens: it must fit the cache alone.
         self.max_recompute_tokens = block_manager.num_blocks * block_manager.block_size
         self.compression = compression
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # in admission order: newest last
         self.num_preemptions = 0
         self.free_query_slots = list(range(num_query_slots))[::-1]
-        self.compression_in_flight = False  # set by the engine while an asynchronous batch runs
+        self.compressions: Compressions | None = None
+        self.released: list[Sequence] = []  # preempted or finished since the engine last took them
         if compression is not None:
             self.hybrid = compression.hybrid
             self.asynchronous = compression.asynchronous
             self.slotless_limit = compression.slotless_limit(block_manager.block_size)
+            self.compressions = Compressions(block_manager, compression, compression.asynchronous)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,8 +133,8 @@ class Scheduler:
         batch = self._schedule_prefill()
         if batch is None:
             batch = self._schedule_decode()
-            if (not batch.seqs and not batch.compressions and not self.compression_in_flight
-                    and self.running and self.compression is not None and self.hybrid):
+            if (not batch.seqs and not batch.compressions and self.compression is not None
+                    and not self.compressions.busy and self.running and self.hybrid):
                 earlier = batch.preempted  # nobody could move: slot holders may go too
                 batch = self._schedule_decode(last_resort=True)
                 batch.preempted = earlier + batch.preempted
@@ -116,7 +164,7 @@ class Scheduler:
         bm, budget = self.block_manager, self.config.max_num_batched_tokens
         admitted: list[Sequence] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.first()
             new_tokens = seq.num_tokens - bm.cached_prefix_tokens(seq)
             if (new_tokens > budget and admitted) or not bm.can_allocate(seq):
                 break
@@ -136,70 +184,68 @@ class Scheduler:
         return ScheduledBatch(admitted, is_prefill=True) if admitted else None
 
     # -- decode ---------------------------------------------------------------
-    def _victim(self, last_resort: bool) -> Sequence | None:
-        """The request to preempt: the newest that may be recomputed."""
+    def _compressing(self, seq: Sequence) -> bool:
+        return self.compressions is not None and self.compressions.is_compressing(seq)
+
+    def _victim(self, last_resort: bool, placed: set[Sequence]) -> Sequence | None:
+        """The request to preempt: the newest that may be recomputed and is not in the step."""
         for seq in reversed(self.running):
-            if seq.compressing or seq.num_tokens > self.max_recompute_tokens:
-                continue  # its blocks are being compacted, or it could never be readmitted
+            if seq in placed or self._compressing(seq) or seq.num_tokens > self.max_recompute_tokens:
+                continue  # already in this step, its blocks are being compacted, or never readmittable
             if self.compression is not None and self.hybrid and seq.query_slot is not None and not last_resort:
                 continue  # slot holders are the ones the budget is reserved for
             return seq
         return None
 
     def _schedule_decode(self, last_resort: bool = False) -> ScheduledBatch:
-        bm, compression = self.block_manager, self.compression
+        bm, compression, compressions = self.block_manager, self.compression, self.compressions
         batch, preempted = [], []
-        tasks: dict[Sequence, CompressionTask] = {}
+        placed: set[Sequence] = set()  # in this step's batch: never a victim
         batch_blocks = 0  # source blocks of the compression batch being formed
 
         def make_room(seq, has_room) -> bool:
             """Preempt until ``has_room()``; False if ``seq`` must wait (or was itself preempted)."""
             while not has_room():
-                victim = self._victim(last_resort)
+                victim = self._victim(last_resort, placed)
                 if victim is None:
                     return False  # restricted mode: wait for blocks to come back
                 self.preempt(victim)
                 preempted.append(victim)
-                tasks.pop(victim, None)  # a planned synchronous compaction must not run
                 if victim is seq:
                     return False
             return True
 
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.compressing:
+            if seq.status is not SequenceStatus.RUNNING or self._compressing(seq):
                 continue  # preempted earlier in this loop, or being compressed
             if compression is not None and needs_compression(seq, bm, compression):
                 if seq.query_slot is None:
                     continue  # a guard: without a slot a request stops before this point
                 blocks = len(seq.block_table)
-                if self.asynchronous and (self.compression_in_flight or (
+                if self.asynchronous and (compressions.busy or (
                         batch_blocks and batch_blocks + blocks > compression.max_blocks_per_compression)):
                     continue  # waits for the next compression batch (a lone request always fits)
                 if not make_room(seq, lambda: bm.can_compact(seq, compression.max_blocks_per_seq - 1)):
                     continue
-                tasks[seq] = plan_compression(seq, bm, compression, asynchronous=self.asynchronous)
+                compressions.plan(seq)
                 batch_blocks += blocks
                 if self.asynchronous:
-                    seq.compressing = True
                     continue  # rejoins decoding once its compaction is done
             elif compression is not None and seq.query_slot is None and not self._may_run_without_slot(seq.kv_len):
                 continue  # its next token is in a compression window: waits for a slot
             if make_room(seq, lambda: bm.can_append(seq)):
                 bm.append_slot(seq)
                 batch.append(seq)
-        return ScheduledBatch(batch, is_prefill=False, preempted=preempted, compressions=list(tasks.values()))
+                placed.add(seq)
+        tasks = compressions.planned if compressions is not None else []
+        return ScheduledBatch(batch, is_prefill=False, preempted=preempted, compressions=tasks)
 
     # -- lifecycle ------------------------------------------------------------
-    def finish_compressions(self, tasks: list[CompressionTask]) -> None:
-        """An asynchronous compression batch is done: release its sources, resume its requests."""
-        for task in tasks:
-            self.block_manager.finish_compaction(task.seq, task.pending_release)
-            task.seq.compressing = False
-        self.compression_in_flight = False
-
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and put it first in line; it is recomputed on readmission."""
-        assert not seq.compressing, f"{seq} is being compressed"
+        assert not self._compressing(seq), f"{seq} is being compressed"
+        if self.compressions is not None and not self.asynchronous:
+            self.compressions.drop(seq)  # a planned synchronous compaction of its blocks must not run
         self.running.remove(seq)
         self.block_manager.free(seq)
         self._release_query_slot(seq)
@@ -208,10 +254,11 @@ class Scheduler:
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        self.released.append(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """Mark ``seq`` finished and release its blocks (running or waiting)."""
-        assert not seq.compressing, f"{seq} is being compressed"
+        assert not self._compressing(seq), f"{seq} is being compressed"
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -222,3 +269,9 @@ class Scheduler:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         seq.metrics.finished_time = time.perf_counter()
+        self.released.append(seq)
+
+    def take_released(self) -> list[Sequence]:
+        """The requests preempted or finished since the last call (their per-request state elsewhere may go)."""
+        released, self.released = self.released, []
+        return released

@@ -46,12 +46,12 @@ class Sequence:
         self.num_pending = 0  # sampled tokens not yet in token_ids (asynchronous scheduling)
         self.num_prefix_hit_tokens = 0  # of the current prefill, served from the prefix cache
         self.kv_is_token_prefix = True  # False once compaction reorders the cache: no prefix caching
-        # compression state
+        # compression state (whether a compaction is in flight: ``Compressions.is_compressing``)
         self.query_slot: int | None = None  # row of the query cache saving its window queries
-        self.compressing = False  # an asynchronous compaction of its cache is in flight
         self.num_scored_tokens = 0  # leading cached tokens carrying a history score
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # with finish_reason "error": what failed
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
 
     @property
