@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from zipage.config import CompressionConfig, EngineConfig
 from zipage.engine.llm_engine import LLMEngine
-from zipage.outputs import RequestOutput
+from zipage.outputs import RequestOutput, RequestsFailed
 from zipage.sampling_params import SamplingParams
 
 
@@ -58,7 +58,9 @@ class LLM:
         """Generate for one prompt or many; outputs come back in input order.
 
         A prompt is a string or a list of token ids. Every request is checked before
-        any is scheduled, so a bad one raises ``ValueError`` and nothing is queued.
+        any is scheduled, so a bad one raises ``ValueError`` and nothing is queued. If the
+        engine fails a step, the requests it concerned fail and the others complete; then
+        ``RequestsFailed`` is raised, holding every output.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
@@ -122,4 +124,7 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [results[s.request_id] for s in seqs]
+        outputs = [results[s.request_id] for s in seqs]
+        if any(o.error is not None for o in outputs):
+            raise RequestsFailed(outputs)
+        return outputs

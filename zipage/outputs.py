@@ -54,3 +54,18 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)
     error: str | None = None  # why the request failed (finish_reason "error"): the step that raised, and how
+
+
+class RequestsFailed(RuntimeError):
+    """Some requests of a ``generate`` call failed in the engine; the others completed.
+
+    ``outputs`` holds every request's output in input order; a failed one has
+    ``finish_reason == "error"`` and its ``error`` says which step raised and how (the
+    traceback is in the log)."""
+
+    def __init__(self, outputs: list[RequestOutput]):
+        self.outputs = outputs
+        failed = [o for o in outputs if o.error is not None]
+        shown = "; ".join(f"request {o.request_id}: {o.error}" for o in failed[:3])
+        more = f" (and {len(failed) - 3} more)" if len(failed) > 3 else ""
+        super().__init__(f"{len(failed)} of {len(outputs)} requests failed: {shown}{more}")

@@ -101,6 +101,8 @@ class LLMEngine:
         self.compressions = self.scheduler.compressions  # None without compression
         self.async_scheduling = (config.scheduler.async_scheduling
                                  and getattr(self.runner, "supports_async_scheduling", False))
+        # Asynchronous scheduling launches a step before the last one's tokens are read.
+        self._run = self._run_ahead if self.async_scheduling else self._run_in_step
         self._launched: LaunchedStep | None = None  # asynchronous scheduling: the step in flight
         self._wait_for_launched = False  # the next schedule needs its tokens (see _count_launched)
         self._waited_s = 0.0
@@ -296,20 +298,22 @@ class LLMEngine:
             self.compressions.abandon(tasks)
             self._fail([task.seq for task in tasks], [], error, "a compression")
 
-    def _run(self, batch: ScheduledBatch, stats: StepStats, async_callback) -> float:
-        """Launch the step's forward and hand out the tokens that are ready; return host seconds spent
-        handing them out."""
-        if not self.async_scheduling:
-            try:
-                token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids,
-                                                async_callback=async_callback)
-            except Exception as error:  # noqa: BLE001 - contained to the step's requests
-                self._fail(batch.seqs, batch.cache_entries, error, self._step_name(batch))
-                return 0.0
-            self._count_launched(batch, stats)
-            finished_at = time.perf_counter()
-            self._append_tokens(batch.seqs, token_ids)
-            return time.perf_counter() - finished_at
+    def _run_in_step(self, batch: ScheduledBatch, stats: StepStats, async_callback) -> float:
+        """Run the step's forward and hand out its tokens; return host seconds spent handing them out."""
+        try:
+            token_ids = self.runner.execute(batch.seqs, batch.is_prefill, self.eos_token_ids,
+                                            async_callback=async_callback)
+        except Exception as error:  # noqa: BLE001 - contained to the step's requests
+            self._fail(batch.seqs, batch.cache_entries, error, self._step_name(batch))
+            return 0.0
+        self._count_launched(batch, stats)
+        finished_at = time.perf_counter()
+        self._append_tokens(batch.seqs, token_ids)
+        return time.perf_counter() - finished_at
+
+    def _run_ahead(self, batch: ScheduledBatch, stats: StepStats, async_callback) -> float:
+        """Launch the step's forward, then hand out the tokens of the step before it (asynchronous
+        scheduling); return host seconds spent handing them out."""
         previous = self._launched
         try:
             handle = self.runner.launch(batch.seqs, batch.is_prefill, self.eos_token_ids,

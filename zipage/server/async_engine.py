@@ -29,7 +29,14 @@ class EngineOverloaded(Exception):
 
 
 class EngineFailed(Exception):
-    """The engine raised while stepping; the requests in flight were aborted."""
+    """The engine could not serve a call: it failed while stepping (the requests in flight were
+    aborted), or it is shutting down. The message is safe to show a client: the cause goes to
+    the log."""
+
+
+class RequestFailed(EngineFailed):
+    """One of a call's requests failed in the engine (a step that concerned it raised); the
+    call's other requests are aborted, every other call carries on."""
 
 
 class Generation:
@@ -253,9 +260,20 @@ class AsyncEngine:
             generation = self._generations.get(output.request_id)
             if generation is None:
                 continue  # aborted: nobody listens
+            if output.error is not None:
+                self._fail_generation(generation, output.request_id)
+                continue
             generation.put(output)
             if output.finished:
                 del self._generations[output.request_id]
+
+    def _fail_generation(self, generation: Generation, request_id: str) -> None:
+        """End an API call whose request ``request_id`` failed in the engine; abort its others."""
+        others = [rid for rid in generation.request_ids
+                  if rid != request_id and self._generations.get(rid) is generation]
+        self._generations.pop(request_id, None)
+        self.abort(others)
+        generation.put(RequestFailed(f"internal error (request {request_id})"))
 
     def _fail_all(self, error: Exception) -> None:
         for generation in set(self._generations.values()):
@@ -269,7 +287,7 @@ class AsyncEngine:
             self._serve()
         except BaseException as error:  # a bug outside a step: stop, but answer everyone first
             logger.exception("the engine thread stopped")
-            failure = EngineFailed(f"the engine thread stopped: {type(error).__name__}: {error}")
+            failure = EngineFailed("internal error: the engine stopped")
         with self._wake:
             self._stopping = True  # no more commands are taken
             commands, self._commands = self._commands, []
@@ -344,7 +362,7 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001
                 logger.exception("could not abort request %s", rid)
         self._timing.clear()
-        failure = EngineFailed(f"the engine failed: {type(error).__name__}: {error}")
+        failure = EngineFailed("internal error: the engine failed a step; the requests in flight were aborted")
         self._loop.call_soon_threadsafe(self._fail_all, failure)
 
     def _observe(self, outputs: list[RequestOutput]) -> bool:
