@@ -96,12 +96,17 @@ def test_steps_are_launched_before_the_previous_tokens_are_read(model_dir):
     assert_pool_full(llm)
 
 
-def test_a_penalty_makes_the_engine_wait_for_the_tokens(model_dir):
+def test_penalties_launch_ahead_and_match_the_waiting_engine(model_dir):
+    """The runner counts sampled tokens on the device, so penalised requests launch ahead too."""
+    params = SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.2, presence_penalty=0.5,
+                            frequency_penalty=0.5, ignore_eos=True)
+    waiting = make_llm(model_dir, block_size=BLOCK, max_model_len=256, async_scheduling=False)
+    expected = waiting.generate([_prompt(3, 9)], params, use_tqdm=False)[0].outputs[0].token_ids
     llm = make_llm(model_dir, block_size=BLOCK, max_model_len=256)
     events = _record_launches(llm)
-    llm.generate([_prompt(3, 9)], SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.2,
-                                                 ignore_eos=True), use_tqdm=False)
-    assert events == ["launch", "collect"] * 6
+    assert llm.generate([_prompt(3, 9)], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert events[:3] == ["launch", "launch ahead", "collect"]  # the second step before the first's tokens
+    assert events.count("launch ahead") == 5
 
 
 def test_abort_and_streaming_with_a_step_in_flight(model_dir):

@@ -15,6 +15,7 @@ import zipage.layers.sampler as sampler_module
 from zipage.engine.sequence import Sequence
 from zipage.layers.sampler import Sampler, SamplingTensors, apply_top_k_top_p_min_p, exponential_noise
 from zipage.runner.inputs import sampling_tensors
+from zipage.runner.penalties import PenaltyState
 from zipage.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -22,7 +23,7 @@ CPU = torch.device("cpu")
 
 # -- helpers --------------------------------------------------------------------------------------
 def make_tensors(temperatures, seeds=None, steps=None, top_k=None, top_p=None, min_p=None,
-                 repetition_penalty=None, seen_tokens=None, banned=None) -> SamplingTensors:
+                 banned=None) -> SamplingTensors:
     """SamplingTensors built by hand (the runner builds them with ``sampling_tensors``)."""
     n = len(temperatures)
     temps = torch.tensor(temperatures, dtype=torch.float32)
@@ -34,9 +35,6 @@ def make_tensors(temperatures, seeds=None, steps=None, top_k=None, top_p=None, m
         seeds=torch.tensor(seeds if seeds is not None else list(range(n)), dtype=torch.int64),
         steps=torch.tensor(steps if steps is not None else [0] * n, dtype=torch.int64),
         all_greedy=bool((temps == 0).all()))
-    if repetition_penalty is not None:
-        st.repetition_penalty = torch.tensor(repetition_penalty, dtype=torch.float32)
-        st.seen_tokens = seen_tokens
     if banned:
         st.banned_rows = torch.tensor([r for r, _ in banned], dtype=torch.int64)
         st.banned_tokens = torch.tensor([t for _, t in banned], dtype=torch.int64)
@@ -404,10 +402,13 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative():
         [3.0, 2.0, -5.0, -5.0, -5.0, -5.0],   # penalty 1 (neighbour uses one): untouched -> 0
         [-2.0, -1.1, -5.0, -5.0, -5.0, -5.0],  # seen 0 (negative): -4 stays below unseen -1.1
     ])
-    seen = torch.zeros(6, vocab, dtype=torch.bool)
-    seen[0, 0] = seen[1, 1] = seen[2, 1] = seen[3, 0] = seen[5, 0] = True
-    st = make_tensors([0.0] * 6, repetition_penalty=[2.0, 2.0, 2.0, 0.5, 1.0, 2.0], seen_tokens=seen)
-    assert Sampler()(logits, st).tolist() == [1, 0, 0, 0, 0, 1]
+    state = PenaltyState(6, vocab, CPU)
+    state.prompt_mask[[0, 1, 2, 3, 5], [0, 1, 1, 0, 0]] = True  # the tokens each row has seen
+    st = make_tensors([0.0] * 6)
+    st.penalty_rows = torch.arange(6)
+    st.repetition_penalty = torch.tensor([2.0, 2.0, 2.0, 0.5, 1.0, 2.0])
+    st.frequency_penalty = st.presence_penalty = torch.zeros(6)
+    assert Sampler(state)(logits, st).tolist() == [1, 0, 0, 0, 0, 1]
     # Without the penalty the picks are the plain argmax.
     assert Sampler()(logits, make_tensors([0.0] * 6)).tolist() == [0, 1, 0, 1, 0, 1]
 
@@ -417,12 +418,18 @@ def test_repetition_penalty_through_sampling_tensors():
     params = SamplingParams(temperature=0.0, repetition_penalty=1.5)
     penalised = seq_with(params, prompt=[3, 4], outputs=[5])
     plain = seq_with(SamplingParams(temperature=0.0), prompt=[3, 4], outputs=[5])
-    st = sampling_tensors([penalised, plain], vocab, set(), CPU)
-    assert st.seen_tokens.tolist() == [[t in (3, 4, 5) for t in range(vocab)], [False] * vocab]
-    assert st.repetition_penalty.tolist() == [1.5, 1.0]
+    state = PenaltyState(4, vocab, CPU)
+    state.admit([penalised, plain])  # a prefill: only the penalised request takes a row
+    assert state.rows == {penalised: 0}
+    assert state.prompt_mask[0].tolist() == [t in (3, 4) for t in range(vocab)]
+    assert state.counts[0].tolist() == [int(t == 5) for t in range(vocab)]
+    st = sampling_tensors([penalised, plain], vocab, set(), CPU, state.rows)
+    assert st.penalty_rows.tolist() == [0] and st.penalty_index.tolist() == [0]
+    assert st.repetition_penalty.tolist() == [1.5]
+    assert st.frequency_penalty.tolist() == st.presence_penalty.tolist() == [0.0]
     logits = torch.tensor([[0.0, 0.0, 0.0, 3.0, 0.0, 0.0, 2.5, 0.0]] * 2)
     # 3/1.5 = 2 < 2.5 for the penalised row; the other row keeps token 3.
-    assert Sampler()(logits, st).tolist() == [6, 3]
+    assert Sampler(state)(logits, st).tolist() == [6, 3]
 
 
 # -- min_tokens bans ------------------------------------------------------------------------------
@@ -468,7 +475,7 @@ def test_sampling_tensors_optional_parts_only_when_used():
     plain = [seq_with(SamplingParams(temperature=0.8), seed=s, request_id=str(s)) for s in range(3)]
     st = sampling_tensors(plain, vocab, set(), CPU)
     assert st.top_k is None and st.top_p is None and st.min_p is None
-    assert st.repetition_penalty is None and st.seen_tokens is None and st.banned_rows is None
+    assert st.repetition_penalty is None and st.penalty_rows is None and st.banned_rows is None
     assert not st.all_greedy
     assert st.seeds.tolist() == [0, 1, 2]
 
@@ -503,14 +510,16 @@ def test_sampling_tensors_feed_the_sampler():
     row = torch.from_numpy(rng.normal(size=vocab).astype(np.float32))
     target = seq_with(SamplingParams(temperature=0.9, seed=77), outputs=[1, 2], seed=77)
     alone = Sampler()(row[None], sampling_tensors([target], vocab, {0}, CPU)).item()
+    state = PenaltyState(4, vocab, CPU)
     others = [seq_with(SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=r),
                        seed=i, request_id=str(i))
               for i, (t, k, p, m, r) in enumerate([(1.0, 3, 0.5, 0.0, 1.2), (0.0, -1, 1.0, 0.3, 1.0),
                                                    (0.5, 10, 0.9, 0.05, 1.0)])]
     batch = others[:1] + [target] + others[1:]
+    state.admit(batch)
     logits = torch.from_numpy(rng.normal(size=(4, vocab)).astype(np.float32))
     logits[1] = row
-    assert Sampler()(logits, sampling_tensors(batch, vocab, {0}, CPU))[1].item() == alone
+    assert Sampler(state)(logits, sampling_tensors(batch, vocab, {0}, CPU, state.rows))[1].item() == alone
 
 
 # -- SamplingParams validation --------------------------------------------------------------------
@@ -529,6 +538,10 @@ def test_sampling_tensors_feed_the_sampler():
     (dict(min_tokens=5, max_tokens=4), "min_tokens"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(presence_penalty=2.01), r"presence_penalty must be in \[-2.0, 2.0\], got 2.01"),
+    (dict(presence_penalty=float("inf")), "presence_penalty"),
+    (dict(frequency_penalty=-3), r"frequency_penalty must be in \[-2.0, 2.0\], got -3"),
+    (dict(frequency_penalty="1"), "frequency_penalty"),
     (dict(stop=""), "stop"),
     (dict(stop=["ok", ""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
@@ -542,7 +555,9 @@ def test_sampling_params_rejects_bad_values(kwargs, field):
 
 def test_sampling_params_accepts_good_values():
     p = SamplingParams(temperature=0, top_p=1.0, top_k=0, min_p=1.0, max_tokens=1, min_tokens=1,
-                       stop="x", stop_token_ids=[0, 5], seed=-3, repetition_penalty=0.5)
+                       stop="x", stop_token_ids=[0, 5], seed=-3, repetition_penalty=0.5,
+                       presence_penalty=-2, frequency_penalty=2.0)
+    assert (p.presence_penalty, p.frequency_penalty) == (-2.0, 2.0) and p.has_penalties
     assert p.temperature == 0.0 and p.greedy
     assert p.top_k == -1  # 0 means disabled, stored as -1
     assert p.stop == ["x"] and p.stop_token_ids == [0, 5]

@@ -12,6 +12,10 @@ class SamplingParams:
 
     ``temperature=0`` is greedy decoding. ``seed`` makes a request's samples
     depend only on the seed and the token position, not on the rest of the batch.
+    Penalties (vLLM's and OpenAI's meaning): ``repetition_penalty`` divides the positive
+    logits (multiplies the others) of every token of the prompt or the output so far;
+    ``frequency_penalty`` is subtracted once per occurrence of a token in the output,
+    ``presence_penalty`` once if it occurs there.
     """
 
     temperature: float = 1.0
@@ -27,13 +31,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     seed: int | None = None
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  min_p: float = 0.0, max_tokens: int | None = 16, min_tokens: int = 0,
                  ignore_eos: bool = False, stop: str | list[str] | None = None,
                  stop_token_ids: list[int] | None = None,
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                 seed: int | None = None, repetition_penalty: float = 1.0, **unknown):
+                 seed: int | None = None, repetition_penalty: float = 1.0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, **unknown):
         if unknown:
             allowed = ", ".join(f.name for f in fields(self))
             raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; allowed: {allowed}")
@@ -70,10 +77,17 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {seed!r}")
         self.seed = seed
         self.repetition_penalty = _number("repetition_penalty", repetition_penalty, low=0.0, low_open=True)
+        self.presence_penalty = _number("presence_penalty", presence_penalty, low=-2.0, high=2.0)
+        self.frequency_penalty = _number("frequency_penalty", frequency_penalty, low=-2.0, high=2.0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty is away from its neutral value (the request needs a penalty row)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def _is_int(value) -> bool:
@@ -82,11 +96,11 @@ def _is_int(value) -> bool:
 
 def _number(name: str, value, low: float | None = None, high: float | None = None,
             low_open: bool = False) -> float:
+    """``value`` as a float, or ``ValueError`` naming ``name``, the value and the allowed range."""
+    allowed = f"{'(' if low_open else '['}{low}, " + (f"{high}]" if high is not None else "inf)")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise ValueError(f"{name} must be a finite number in {allowed}, got {value!r}")
     below = value <= low if low_open else value < low
     if (low is not None and below) or (high is not None and value > high):
-        lo = "(" if low_open else "["
-        hi = f"{high}]" if high is not None else "inf)"
-        raise ValueError(f"{name} must be in {lo}{low}, {hi}, got {value!r}")
+        raise ValueError(f"{name} must be in {allowed}, got {value!r}")
     return float(value)

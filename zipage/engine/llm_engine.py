@@ -230,8 +230,8 @@ class LLMEngine:
         if self._launched is not None and self._wait_for_launched:
             self._collect_launched()
         batch = self._schedule()
+        self._forget_released()  # before the launch, whose prefill may need what they held
         if batch is None:
-            self._forget_released()
             return self._take_outputs(), None
         stats = StepStats(batch.is_prefill, len(batch.seqs), batch.num_tokens, len(batch.preempted),
                           num_compressed=len(batch.compressions), num_running=len(self.scheduler.running),
@@ -340,14 +340,14 @@ class LLMEngine:
 
         The next step waits for this one's tokens (``_wait_for_launched``) when a request
         reaches its length limit, so that its blocks are free for the next schedule as without
-        asynchronous scheduling, or uses a repetition penalty, which needs every earlier token.
+        asynchronous scheduling. (Penalties need no wait: the runner counts the sampled tokens
+        on the device.)
         """
         wait = False
         for seq in batch.seqs:
             self.block_manager.cache_step(seq, batch.is_prefill)
             seq.num_pending += 1
-            wait = (wait or seq.num_output_tokens >= seq.max_tokens
-                    or seq.sampling_params.repetition_penalty != 1.0)
+            wait = wait or seq.num_output_tokens >= seq.max_tokens
             if batch.is_prefill:
                 if seq.num_output_tokens == 1:
                     seq.metrics.num_cached_prompt_tokens = seq.num_prefix_hit_tokens
@@ -453,9 +453,8 @@ class LLMEngine:
     def _forget_released(self) -> None:
         """Tell the runner which requests it no longer runs (their per-request state may go)."""
         released = self.scheduler.take_released()
-        forget = getattr(self.runner, "forget", None)
-        if released and forget is not None:
-            forget(released)
+        if released:
+            self.runner.forget(released)
 
     def _take_outputs(self) -> list[RequestOutput]:
         outputs, self._outbox = self._outbox, []

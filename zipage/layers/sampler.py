@@ -4,15 +4,21 @@ Sampling draws ``argmax(p / E)`` with ``E ~ Exp(1)`` (the exponential race, whic
 picks token i with probability p_i). ``E`` is a hash of (request seed, output
 index, token id), so a request's samples depend only on its own seed and position:
 reproducible whatever else shares the batch, and the same after preemption.
+
+Penalties read per-request token counts kept on the device (``runner/penalties.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from zipage.layers.fusion import fused
+
+if TYPE_CHECKING:
+    from zipage.runner.penalties import PenaltyState
 
 _MASK64 = (1 << 64) - 1
 
@@ -70,12 +76,31 @@ class SamplingTensors:
     seeds: torch.Tensor  # [batch] int64
     steps: torch.Tensor  # [batch] int64: index of the output token being sampled
     all_greedy: bool
-    # repetition penalty: [batch] float32 and a [batch, vocab] bool mask of tokens seen so far
+    # Penalties of the P rows that use any: their values ([P] float32), their rows of the penalty
+    # state ([P] int64) and their rows in the batch ([P] int64; None when every row has penalties).
     repetition_penalty: torch.Tensor | None = None
-    seen_tokens: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    penalty_rows: torch.Tensor | None = None
+    penalty_index: torch.Tensor | None = None
     # (row, token) pairs forbidden this step (end-of-sequence before min_tokens)
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
+
+
+@fused
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor, rows: torch.Tensor,
+                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """``logits`` [P, vocab] penalised in float32 as in vLLM, in its order: repetition on every token
+    of the prompt or output so far (``counts`` and ``prompt_mask`` at ``rows``), then frequency per
+    occurrence in the output, then presence. Converting and gathering here lets one fused kernel do it."""
+    logits = logits.float()
+    counts = counts[rows]
+    in_output = counts > 0
+    penalty = repetition[:, None]
+    repeated = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = torch.where(prompt_mask[rows] | in_output, repeated, logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * in_output
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
@@ -100,17 +125,19 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k, top_p, min_p) -> torch.
 
 
 class Sampler:
+    def __init__(self, penalties: PenaltyState | None = None):
+        """``penalties``: the runner's ``PenaltyState``, whose rows penalised requests read."""
+        self.penalties = penalties
+
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         """Next token id of every row [batch] (int64)."""
-        if st.all_greedy and st.repetition_penalty is None and st.banned_rows is None:
+        if st.all_greedy and st.penalty_rows is None and st.banned_rows is None:
             # Converting to float32 keeps the order (and the first of equal values wins either
             # way): skip the copy of the whole [batch, vocab] logits.
             return logits.argmax(dim=-1)
+        if st.penalty_rows is not None:
+            logits = self._penalise(logits, st)
         logits = logits.float()
-        if st.repetition_penalty is not None:
-            penalty = st.repetition_penalty[:, None]
-            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-            logits = torch.where(st.seen_tokens, penalised, logits)
         if st.banned_rows is not None:
             # torch.full, not torch.tensor: a host value copied to the device would wait for its queue
             logits = logits.index_put((st.banned_rows, st.banned_tokens),
@@ -124,3 +151,12 @@ class Sampler:
             temperatures = torch.ones_like(temperatures)
         sampled = exponential_race(logits, temperatures, st.seeds, st.steps)
         return torch.where(st.temperatures > 0, sampled, greedy)
+
+    def _penalise(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """``logits`` in float32 with the penalised rows' penalties applied (out of place: the
+        caller's stay)."""
+        index = st.penalty_index
+        rows = logits if index is None else logits[index]
+        rows = apply_penalties(rows, self.penalties.counts, self.penalties.prompt_mask, st.penalty_rows,
+                               st.repetition_penalty, st.frequency_penalty, st.presence_penalty)
+        return rows if index is None else logits.float().index_put((index,), rows)

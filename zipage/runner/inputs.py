@@ -6,6 +6,7 @@ over the batch; block tables are copied row by row from each request's array.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,9 +183,10 @@ def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
     return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
 
 
-def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[int],
-                     device: torch.device) -> SamplingTensors:
-    """Per-row sampling settings for ``seqs``; optional parts only when some row uses them."""
+def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[int], device: torch.device,
+                     penalty_rows: Mapping[Sequence, int] | None = None) -> SamplingTensors:
+    """Per-row sampling settings for ``seqs``; optional parts only when some row uses them.
+    ``penalty_rows``: the penalty-state row of each request with penalties (``runner/penalties.py``)."""
     params = [s.sampling_params for s in seqs]
     all_greedy = all(p.temperature == 0.0 for p in params)
 
@@ -204,13 +206,9 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[i
         seeds=_on_device([s.seed for s in seqs], torch.int64, device),
         steps=_on_device([s.num_output_tokens for s in seqs], torch.int64, device),
         all_greedy=all_greedy)
-    if any(p.repetition_penalty != 1.0 for p in params):
-        st.repetition_penalty = floats([p.repetition_penalty for p in params])
-        seen = torch.zeros(len(seqs), vocab_size, dtype=torch.bool)
-        for i, seq in enumerate(seqs):
-            if params[i].repetition_penalty != 1.0:
-                seen[i, torch.tensor(seq.token_ids, dtype=torch.int64)] = True
-        st.seen_tokens = seen.to(device)
+    penalised = [i for i, p in enumerate(params) if p.has_penalties]
+    if penalised:
+        _add_penalties(st, [seqs[i] for i in penalised], penalised, len(seqs), penalty_rows or {}, device)
     rows, tokens = [], []
     for i, seq in enumerate(seqs):
         p = params[i]
@@ -223,3 +221,20 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[i
         st.banned_rows = _on_device(rows, torch.int64, device)
         st.banned_tokens = _on_device(tokens, torch.int64, device)
     return st
+
+
+def _add_penalties(st: SamplingTensors, seqs: list[Sequence], index: list[int], batch: int,
+                   penalty_rows: Mapping[Sequence, int], device: torch.device) -> None:
+    """Set ``st``'s penalty fields for ``seqs``, the rows ``index`` of a batch of ``batch``:
+    two copies (values, rows) whatever their number."""
+    rows = [penalty_rows.get(seq, -1) for seq in seqs]
+    if -1 in rows:
+        seq = seqs[rows.index(-1)]
+        raise RuntimeError(f"{seq} has penalties but no penalty row: its prefill gives it one, and the "
+                           "runner must not forget it while it runs")
+    params = [seq.sampling_params for seq in seqs]
+    values = _on_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                         [p.presence_penalty for p in params]], torch.float32, device)
+    st.repetition_penalty, st.frequency_penalty, st.presence_penalty = values.unbind(0)
+    st.penalty_rows, penalty_index = _on_device([rows, index], torch.int64, device).unbind(0)
+    st.penalty_index = None if len(index) == batch else penalty_index

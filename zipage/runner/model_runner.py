@@ -2,7 +2,8 @@
 
 It turns the scheduler's batch into tensors (``inputs.py``), runs prefill eagerly
 and decode through CUDA graphs when it can (``cuda_graph.py``), and returns one
-sampled token per request.
+sampled token per request. Rank 0 also keeps the penalised requests' token counts on
+the device (``penalties.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from zipage.layers.sampler import Sampler
 from zipage.models.registry import build_model
 from zipage.runner.cuda_graph import DecodeGraphs
 from zipage.runner.inputs import InputBuilder, ModelInputs, StepShape, sampling_tensors
+from zipage.runner.penalties import PenaltyState
 from zipage.compression.executor import Compressor
 from zipage.compression.graphs import CompressionGraphs
 from zipage.runner.trace import GpuTrace
@@ -109,7 +111,13 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, self.device)
         for layer in self.model.attention_layers():
             layer.backend = self.backend
-        self.sampler = Sampler()
+        # Only rank 0 samples. Its penalty rows exist before the cache is sized (below): the
+        # profile and the free memory both count them, so the KV cache gets what they leave.
+        self.penalties = PenaltyState(sched.max_num_seqs, self.vocab_size, self.device) if rank == 0 else None
+        if self.penalties is not None:
+            logger.info("penalty state: %d rows of %d tokens (%.0f MiB)", sched.max_num_seqs, self.vocab_size,
+                        self.penalties.nbytes / 2**20)
+        self.sampler = Sampler(self.penalties)
         compression = config.compression
         window = compression.window if compression else None
         if self.device.type == "cuda":
@@ -253,16 +261,25 @@ class ModelRunner:
         inputs = self.inputs.to_device(shape)
         if previous is not None and not shape.is_prefill:  # a prefill's tokens are all on the host
             inputs.input_ids = self.inputs.previous_tokens(inputs.input_ids, seqs, previous.rows, previous.tokens)
-        st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device)
+        if shape.is_prefill:
+            self.penalties.admit(seqs)
+        st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device, self.penalties.rows)
         if self.device.type == "cuda":
             self._inputs_read = torch.cuda.Event()
             self._inputs_read.record()
         self.last_prepare_s = time.perf_counter() - start
         begin = self.trace.mark() if self.trace else None
         token_ids = self.sampler(self.logits(inputs), st)
+        self.penalties.add_sampled(st, token_ids)  # queued before any later step reads the counts
         if self.trace:
             self.trace.steps.append((begin, self.trace.mark()))
         return LaunchedStep(self.device, seqs, token_ids)
+
+    def forget(self, seqs: list[Sequence]) -> None:
+        """The engine no longer runs these requests (finished, aborted or preempted): drop their
+        per-request state. Safe while a step that holds them is in flight (see ``penalties.py``)."""
+        if self.penalties is not None:
+            self.penalties.release(seqs)
 
     @staticmethod
     def collect(step: "LaunchedStep") -> list[int]:

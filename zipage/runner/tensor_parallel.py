@@ -170,6 +170,10 @@ class ParallelRunner:
         self._send("step", shape, inputs.export(shape))
         return self.local.execute(seqs, is_prefill, eos_token_ids, shape, async_callback)
 
+    def forget(self, seqs) -> None:
+        """Only rank 0 samples, so only it holds per-request state: the followers need nothing."""
+        self.local.forget(seqs)
+
     def compress(self, tasks) -> None:
         self._send("compress", _portable(tasks))
         self.local.compress(tasks)

@@ -21,7 +21,7 @@ MAX_TOP_K = 2**31 - 1
 # OpenAI fields the engine cannot honour: accepted only at their neutral values.
 NEUTRAL_FIELDS = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "best_of": (None, 1), "suffix": (None,),
+    "best_of": (None, 1), "suffix": (None,),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False), "response_format": (None, {"type": "text"}),
 }
@@ -72,6 +72,8 @@ class SamplingRequest(BaseModel):
     stop: Any = None
     seed: int | None = None
     user: str | None = None
+    presence_penalty: float | None = 0.0  # null: 0
+    frequency_penalty: float | None = 0.0
     # extensions
     top_k: int = -1
     min_p: float = 0.0
@@ -117,6 +119,11 @@ class SamplingRequest(BaseModel):
     def _repetition_penalty(cls, v):
         return _in_range("repetition_penalty", v, 0.0, low_open=True)
 
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _presence_frequency_penalty(cls, v, info):
+        return _in_range(info.field_name, v, -2.0, 2.0)
+
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v):
@@ -160,7 +167,9 @@ class SamplingRequest(BaseModel):
                         include_stop_str_in_output=self.include_stop_str_in_output,
                         skip_special_tokens=self.skip_special_tokens,
                         seed=None if self.seed is None else self.seed + j,
-                        repetition_penalty=self.repetition_penalty))
+                        repetition_penalty=self.repetition_penalty,
+                        presence_penalty=self.presence_penalty or 0.0,
+                        frequency_penalty=self.frequency_penalty or 0.0))
                 except ValueError as error:
                     raise ApiError(400, str(error)) from None
         return params
