@@ -3,7 +3,7 @@
 A graph bakes in tensor addresses, so every input lives in a static buffer sized
 for the largest bucket; a step copies its inputs in, pads the rest (slot -1 and
 context length 0 make padding rows write nothing and read nothing), and replays
-the smallest graph that fits. Block tables span ``max_blocks_per_seq`` columns, so
+the smallest graph that fits. Block tables span ``max_table_blocks`` columns, so
 a graph stays valid whatever blocks requests hold later.
 """
 
@@ -21,7 +21,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device,
+    def __init__(self, model, max_num_seqs: int, max_table_blocks: int, device: torch.device,
                  no_query_row: int | None = None):
         self.model = model
         self.no_query_row = no_query_row  # compression: padding rows write their query here
@@ -31,7 +31,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_table_blocks, dtype=torch.int32, device=device)
         self.query_slots = None
         if no_query_row is not None:
             self.query_slots = torch.full((n,), no_query_row, dtype=torch.int64, device=device)

@@ -56,7 +56,7 @@ class HostBuffer:
 
 class InputBuilder:
     def __init__(self, device: torch.device, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_blocks_per_seq: int, window: int | None = None, num_query_slots: int = 0):
+                 max_table_blocks: int, window: int | None = None, num_query_slots: int = 0):
         self.device, self.block_size = device, block_size
         self.window = window  # compression: requests with a slot save the queries of their last `window` tokens
         self.no_query_row = num_query_slots * window if window else -1  # the query cache's spare row
@@ -67,7 +67,7 @@ class InputBuilder:
         self.slot_mapping = HostBuffer((tokens,), torch.int64, device)
         self.context_lens = HostBuffer((max_num_seqs,), torch.int32, device)
         self.cu_seqlens = HostBuffer((max_num_seqs + 1,), torch.int32, device)
-        self.block_tables = HostBuffer((max_num_seqs, max_blocks_per_seq), torch.int32, device)
+        self.block_tables = HostBuffer((max_num_seqs, max_table_blocks), torch.int32, device)
         # Asynchronous scheduling: the row of each request's input token among the previous
         # step's sampled tokens (still on the device), -1 where the host knows it.
         self.previous_rows = HostBuffer((max_num_seqs,), torch.int64, device)

@@ -26,7 +26,7 @@ def gpu_kv_budget(device: torch.device, utilization: float) -> int:
 
 
 def plan_cache(spec, cache_config, compression, dtype: torch.dtype, device: torch.device,
-               max_num_seqs: int, max_blocks_per_seq: int) -> tuple[int, int]:
+               max_num_seqs: int, max_table_blocks: int) -> tuple[int, int]:
     """(KV blocks, query slots) from an explicit budget, the GPU's free memory, or 1 GiB on CPU.
 
     With compression the budget also pays for the query cache and the history scores.
@@ -57,7 +57,7 @@ def plan_cache(spec, cache_config, compression, dtype: torch.dtype, device: torc
         budget -= slots * per_slot
     blocks = budget // per_block
     if device.type == "cpu":  # no use in reserving more than every request at full length needs
-        blocks = min(blocks, max_num_seqs * max_blocks_per_seq)
+        blocks = min(blocks, max_num_seqs * max_table_blocks)
     if blocks < 1:
         raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
                          "raise gpu_memory_utilization or kv_cache_memory_bytes, or lower block_size")

@@ -89,7 +89,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         sched, cache = config.scheduler, config.cache
         self.block_size = cache.block_size
-        self.max_blocks_per_seq = -(-sched.max_model_len // self.block_size)
+        # Block-table columns: what a request at max_model_len would hold (with compression a
+        # decoding request holds far fewer, CompressionConfig.max_blocks_per_seq).
+        self.max_table_blocks = -(-sched.max_model_len // self.block_size)
 
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -123,11 +125,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._profile_peak_activation()
         self.num_blocks, self.num_query_slots = plan_cache(
-            self.model.local_spec, cache, compression, self.dtype, self.device, sched.max_num_seqs, self.max_blocks_per_seq)
+            self.model.local_spec, cache, compression, self.dtype, self.device, sched.max_num_seqs, self.max_table_blocks)
         # Every rank must hold the same blocks and slots: the scheduler's plan names them.
         self.num_blocks, self.num_query_slots = all_reduce_min([self.num_blocks, self.num_query_slots], self.device)
         self.inputs = InputBuilder(self.device, self.block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                   self.max_blocks_per_seq, window, self.num_query_slots)
+                                   self.max_table_blocks, window, self.num_query_slots)
         if compression is not None:
             self.query_cache = allocate_query_cache(self.model, self.num_query_slots, window, self.dtype,
                                                     self.device)
@@ -149,7 +151,7 @@ class ModelRunner:
         self.trace: GpuTrace | None = None
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, sched.max_num_seqs, self.max_blocks_per_seq, self.device,
+            self.graphs = DecodeGraphs(self.model, sched.max_num_seqs, self.max_table_blocks, self.device,
                                        self.inputs.no_query_row if compression else None)
             self.graphs.capture()
 
@@ -215,7 +217,13 @@ class ModelRunner:
         self.compression_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.compression_stream):
             start = self.trace.mark() if self.trace else None
-            self.compressor.run(tasks)
+            try:
+                self.compressor.run(tasks)
+            except BaseException:
+                # The kernels already queued still read the sources and write the targets: let them
+                # finish before the engine, abandoning the batch, hands those blocks out again.
+                self.compression_stream.synchronize()
+                raise
             done = torch.cuda.Event(enable_timing=self.trace is not None)
             done.record()
         if self.trace:
