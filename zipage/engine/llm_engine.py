@@ -318,8 +318,10 @@ class LLMEngine:
         try:
             handle = self.runner.launch(batch.seqs, batch.is_prefill, self.eos_token_ids,
                                         previous=previous.handle if previous is not None else None)
-        except Exception as error:  # noqa: BLE001 - contained to the step's requests; the previous stays
+        except Exception as error:  # noqa: BLE001 - contained to the step's requests
             self._fail(batch.seqs, batch.cache_entries, error, self._step_name(batch))
+            if previous is not None:  # a request this schedule preempted may hold a token of it, and be
+                self._collect_launched()  # readmitted (prefilled from all its tokens) by the next schedule
             return 0.0
         self._launched = LaunchedStep(handle, batch.seqs, batch.cache_entries)
         self._count_launched(batch, stats)
@@ -364,16 +366,19 @@ class LLMEngine:
     def _collect(self, launched: LaunchedStep, next_step: LaunchedStep | None = None) -> None:
         """Read a launched step's tokens (waiting for the device) and hand them to their requests.
 
-        If that fails, its requests end, and so do those of ``next_step`` (launched after it):
-        the device fed them its tokens and their prefill may have read KV it was to write."""
+        If that fails, its requests end (their KV is in doubt), and so do the requests of
+        ``next_step`` (launched after it) whose prefill read blocks it was to write."""
         waiting = time.perf_counter()
         try:
             token_ids = self.runner.collect(launched.handle)
-        except Exception as error:  # noqa: BLE001 - contained to the steps concerned
+        except Exception as error:  # noqa: BLE001 - contained to the requests concerned
             seqs, entries = launched.seqs, launched.cache_entries
-            if next_step is not None:
-                self._launched = None
-                seqs, entries = seqs + next_step.seqs, entries + next_step.cache_entries
+            if next_step is not None and entries:
+                doubtful = {block for _, block in entries}
+                readers = [seq for seq in next_step.seqs if doubtful.intersection(seq.block_table)]
+                held = {block for seq in readers for block in seq.block_table}
+                seqs = seqs + readers
+                entries = entries + [entry for entry in next_step.cache_entries if entry[1] in held]
             self._fail(seqs, entries, error, "reading a step's tokens")
             return
         finally:
