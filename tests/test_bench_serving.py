@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
+
+import pytest
 
 from tests.conftest import make_llm
 from zipage.cli import main as cli_main
@@ -51,3 +54,119 @@ def test_serving_benchmark_with_a_simulated_gpu_step(tmp_path):
     for row in result["rates"]:
         assert row["engine_steps"] > 0 and row["engine_steps_per_s"] > 0
         assert row["modelled_ms_per_step"] > 0
+
+
+# -- a standard workload, online against offline ------------------------------------------------
+WORKLOAD = ["--workload", "reasoning-8k", "--scale", "small", "--num-requests", "3", "--device", "cpu"]
+
+
+def test_standard_workload_served_and_offline_see_the_same_requests(tmp_path):
+    """The server and the offline engine run the requests of ``bench throughput`` (prompt lengths and
+    max_tokens, in order), each to its length; both tokens/s and their ratio are reported per mode."""
+    from zipage.bench.throughput import prepare_workload, workload_defaults
+
+    code = cli_main(["bench", "serve", "--shape", "tiny", *WORKLOAD, "--modes", "zipage,full", "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "serving.json").read_text())
+    throughput_args = workload_defaults()
+    throughput_args.__dict__.update(shape="tiny", scale="small", num_requests=3, device="cpu")
+    requests = prepare_workload(throughput_args)[3]
+    expected = [[len(r.prompt), r.max_tokens] for r in requests]
+    assert result["workload"]["request_lengths"] == expected
+    assert list(result["modes"]) == ["zipage", "full"]
+    for run in result["modes"].values():
+        online, offline = run["online"], run["offline"]
+        assert online["request_lengths"] == offline["request_lengths"] == expected
+        assert online["failed"] == offline["failed"] == 0
+        assert online["output_tokens"] == offline["output_tokens"] == sum(n for _, n in expected)
+        assert run["online_over_offline"] == online["output_tokens_per_s"] / offline["output_tokens_per_s"]
+        assert 0 < online["ttft_s"]["p50"] <= online["ttft_s"]["p99"] and online["itl_s"]["p99"] > 0
+    assert result["modes"]["zipage"]["options"]["compress"] and not result["modes"]["full"]["options"]["compress"]
+    assert set(result["ratios"]) == {"zipage_over_full_online", "zipage_over_full_offline"}
+
+
+def test_standard_workload_with_a_simulated_step(tmp_path):
+    code = cli_main(["bench", "serve", "--shape", "tiny", *WORKLOAD, "--modes", "zipage", "--simulated-step",
+                     "--step-model", "1,0,0,1,0", "--out", str(tmp_path)])
+    assert code == 0
+    run = json.loads((tmp_path / "serving.json").read_text())["modes"]["zipage"]
+    assert run["online"]["modelled_ms_per_step"] > 0 and run["offline"]["engine_steps"] > 0
+    assert run["online"]["request_lengths"] == run["offline"]["request_lengths"]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--input-len", "8"], "drop ['--input-len']"),
+    (["--rates", "1,inf"], "--workload runs one rate"),
+    (["--url", "http://127.0.0.1:1"], "drop ['--url']"),
+])
+def test_standard_workload_rejects_options_it_sets_itself(extra, words, capsys):
+    assert cli_main(["bench", "serve", "--shape", "tiny", *WORKLOAD, *extra]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_modes_need_a_workload(capsys):
+    assert cli_main(["bench", "serve", "--shape", "tiny", "--modes", "full"]) == 2
+    assert "--modes needs --workload" in capsys.readouterr().err
+
+
+# -- the simulated runner ---------------------------------------------------------------------
+def test_replay_is_the_same_with_launch_and_collect_as_with_execute(tmp_path):
+    """Asynchronous scheduling (the runner's launch / collect) and one call a step (``execute``, the
+    mode modifier step-sync) give the same replay: the schedule needs only token counts."""
+    common = ["--shape", "tiny", "--scale", "small", "--device", "cpu"]
+    runs = {}
+    for name, modes in (("async", "full,zipage"), ("sync", "full+step-sync,zipage+step-sync")):
+        assert cli_main(["bench", "replay", *common, "--modes", modes, "--out", str(tmp_path / name)]) == 0
+        runs[name] = list(json.loads((tmp_path / name / "replay.json").read_text())["modes"].values())
+    keys = ["output_tokens", "model_s", "decode_steps", "mean_batch", "prefill_s", "num_preemptions",
+            "num_compressions"]
+    for launched, executed in zip(runs["async"], runs["sync"]):
+        assert launched["options"]["async_scheduling"] and not executed["options"]["async_scheduling"]
+        assert [launched[k] for k in keys] == [executed[k] for k in keys]
+
+
+def test_simulated_runner_steps_take_their_time_between_launch_and_collect(checkpoint_dir):
+    """With ``sleep`` a launch returns at once; its tokens are ready a step's time later; a step
+    launched while another runs starts when that one ends (one device)."""
+    from zipage.bench.replay import SimulatedRunner
+    from zipage.bench.throughput import rank_spec
+    from zipage.config import EngineConfig
+    from zipage.engine.sequence import Sequence
+    from zipage.sampling_params import SamplingParams
+
+    model_dir = checkpoint_dir("qwen3")
+    config = EngineConfig.from_kwargs(model_dir, device="cpu", block_size=16, max_model_len=64)
+    config.scheduler.resolve(64)
+    step_ms = 30.0
+    runner = SimulatedRunner(config, rank_spec(model_dir, 1), dict(a=step_ms, b=0, c=0, p0=step_ms, p1=0, f=0, g=0),
+                             sleep=True, token_range=8)
+    seqs = [Sequence(str(i), None, [1, 2, 3], SamplingParams(), 4, 0) for i in range(3)]
+    first = runner.launch(seqs, True, {0})
+    launched_at = time.perf_counter()
+    second = runner.launch(seqs, False, {0}, previous=first)
+    assert launched_at < first.ready_at and second.ready_at >= first.ready_at + step_ms / 1000
+    tokens = runner.collect(first)
+    assert time.perf_counter() >= first.ready_at
+    assert len(tokens) == 3 and all(0 < t < 8 for t in tokens)  # random ids below token_range, none the EOS 0
+    runner.collect(second)
+    assert time.perf_counter() >= second.ready_at
+    assert runner.prefill_ms == runner.decode_ms == step_ms
+    runner.forget(seqs)
+
+
+# -- host CPU per step against the output length ----------------------------------------------
+def test_host_benchmark_measures_a_window_per_length(tmp_path, capsys):
+    code = cli_main(["bench", "host", "--shape", "tiny", "--streams", "4", "--output-lens", "80,120",
+                     "--window-steps", "16", "--prompt-len", "8", "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "host.json").read_text())
+    assert [r["output_len"] for r in result["lengths"]] == [80, 120]
+    for row in result["lengths"]:
+        assert row["window_steps"] == 16 and row["min_running"] == 4
+        assert row["cpu_ms_per_step"] > 0 and row["host_ms_p50"] > 0 and row["wall_ms_per_step"] > 0
+        assert row["cpu_us_per_token"] == pytest.approx(1000 * row["cpu_ms_per_step"] / 4)
+        assert row["run_cpu_s"] > 0 and row["run_gc_s"] >= 0
+    assert result["step_model"]["c"] == 0  # the KV term fixed at --context, the same step at every length
+    assert "cpu_ms_per_step" in capsys.readouterr().out
+    assert cli_main(["bench", "host", "--output-lens", "60", "--window-steps", "16"]) == 2
+    assert "--output-lens must each be >= 66" in capsys.readouterr().err

@@ -8,6 +8,7 @@ def add_bench_parser(sub) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True)
     from zipage.bench.compression import add_compression_parser
     from zipage.bench.decode import add_decode_parser
+    from zipage.bench.host import add_host_parser
     from zipage.bench.kernels import add_kernel_parser
     from zipage.bench.replay import add_replay_parser
     from zipage.bench.serving import add_serving_parser
@@ -18,3 +19,4 @@ def add_bench_parser(sub) -> None:
     add_throughput_parser(kinds)
     add_replay_parser(kinds)
     add_serving_parser(kinds)
+    add_host_parser(kinds)

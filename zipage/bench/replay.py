@@ -24,6 +24,7 @@ import json
 import os
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -38,19 +39,34 @@ STEP_MODEL_KEYS = ("a", "b", "c", "p0", "p1", "f", "g")
 LAUNCHES_PER_STEP = 24
 
 
+@dataclass
+class SimulatedStep:
+    """A launched step of ``SimulatedRunner``: its tokens, ready at ``ready_at`` (perf_counter seconds)."""
+
+    seqs: list
+    token_ids: list[int]
+    ready_at: float
+
+
 class SimulatedRunner:
     """The runner interface of ``LLMEngine`` with a clock instead of a GPU.
 
     With ``sleep`` a step also takes its modelled time, as a GPU step does to a Python
     thread: ``LAUNCHES_PER_STEP`` brief releases of the GIL (kernel launches and copies),
-    then a wait for the "device" with the GIL released (``.tolist()``), and its tokens are
-    random ids, as a model with random weights samples. That reproduces on a CPU how a GPU
-    engine shares the interpreter with other threads (the server's event loop).
+    then the device computes while the thread goes on; reading the tokens waits, with the
+    GIL released, until the step is done. The device runs one step at a time, so a step
+    launched before the previous one is done starts when it ends. Its tokens are random
+    ids, as a model with random weights samples (ids below ``token_range``: by default
+    the whole vocabulary). ``time_scale`` multiplies the time slept (not the clock); at 0 a
+    step has no launches either, as if the device were infinitely fast. That reproduces on
+    a CPU how a GPU engine shares the interpreter with other threads (the server's event
+    loop), with or without asynchronous scheduling.
     """
 
     trace = None
+    supports_async_scheduling = True  # ``launch`` / ``collect``, as the model runner
 
-    def __init__(self, config, spec, step_model: dict, sleep: bool = False):
+    def __init__(self, config, spec, step_model: dict, sleep: bool = False, token_range: int | None = None):
         from zipage.runner.kv_cache import plan_cache
 
         sched, cache = config.scheduler, config.cache
@@ -60,15 +76,46 @@ class SimulatedRunner:
             spec, cache, config.compression, torch.bfloat16, torch.device("meta"), sched.max_num_seqs,
             max_blocks_per_seq)
         self.vocab_size = spec.vocab_size
+        if token_range is not None and not 1 <= token_range <= self.vocab_size:
+            raise ValueError(f"token_range must be in [1, {self.vocab_size}], got {token_range}")
+        self.token_range = token_range or self.vocab_size
         self.model = step_model
         self.sleep = sleep
+        self.time_scale = 1.0
         self._rng = random.Random(0)
+        self._device_free_at = 0.0  # perf_counter time the last launched step ends
         self.decode_ms = self.prefill_ms = self.compression_ms = 0.0  # the clock, by kind of work
         self.pending_compression_ms = 0.0  # asynchronous compressions' cost, charged to the next decode step
         self.compression_cost_ms = 0.0  # every compression's cost, however charged
         self.last_prepare_s = 0.0
 
     def execute(self, seqs, is_prefill: bool, eos_token_ids, async_callback=None) -> list[int]:
+        step = self.launch(seqs, is_prefill, eos_token_ids)
+        if async_callback is not None:
+            async_callback()  # while the "device" runs the step
+        return self.collect(step)
+
+    def launch(self, seqs, is_prefill: bool, eos_token_ids, previous: SimulatedStep | None = None) -> SimulatedStep:
+        """Start a step: charge its time to the clock and, with ``sleep``, to the device's queue
+        (which orders it after ``previous``, the step in flight)."""
+        seconds = self._charge(seqs, is_prefill) / 1000 * self.time_scale
+        ready_at = 0.0
+        if self.sleep and seconds:
+            start = _launch_like_a_device()
+            ready_at = self._device_free_at = max(start, self._device_free_at) + seconds
+        return SimulatedStep(list(seqs), self._tokens(len(seqs), eos_token_ids), ready_at)
+
+    def collect(self, step: SimulatedStep) -> list[int]:
+        """The step's tokens, once the device has made them (the wait releases the GIL, as ``.tolist()``)."""
+        if self.sleep:
+            time.sleep(max(0.0, step.ready_at - time.perf_counter()))
+        return step.token_ids
+
+    def forget(self, seqs) -> None:
+        pass  # no per-request state
+
+    def _charge(self, seqs, is_prefill: bool) -> float:
+        """The step's modelled milliseconds, added to the clock."""
         m = self.model
         if is_prefill:
             step = m["p0"] + m["p1"] * sum(seq.num_tokens - seq.num_prefix_hit_tokens for seq in seqs)
@@ -78,16 +125,14 @@ class SimulatedRunner:
             step = m["a"] + m["b"] * len(seqs) + m["c"] * cached / 1000 + self.pending_compression_ms
             self.pending_compression_ms = 0.0
             self.decode_ms += step
-        if self.sleep:
-            _wait_like_a_device(step / 1000, async_callback)
-            # Random weights' tokens: any id of the vocabulary (a named shape's small tokenizer
-            # knows few of them), none an EOS.
-            return [t if t not in eos_token_ids else 2 for t in
-                    (self._rng.randrange(self.vocab_size) for _ in seqs)]
-        if async_callback is not None:
-            async_callback()
-        token = 1 if 1 not in eos_token_ids else 2
-        return [token] * len(seqs)
+        return step
+
+    def _tokens(self, count: int, eos_token_ids) -> list[int]:
+        if not self.sleep:  # a replay: any token but EOS (its requests ignore EOS anyway)
+            return [1 if 1 not in eos_token_ids else 2] * count
+        # Random weights' tokens, none an EOS (a named shape's small tokenizer knows few of the ids).
+        return [t if t not in eos_token_ids else 2 for t in
+                (self._rng.randrange(self.token_range) for _ in range(count))]
 
     def _compression_cost_ms(self, tasks) -> float:
         cost = self.model["f"] + self.model["g"] * sum(t.num_tokens for t in tasks) / 1000
@@ -109,18 +154,16 @@ class SimulatedRunner:
         pass
 
 
-def _wait_like_a_device(seconds: float, async_callback=None) -> None:
-    """A GPU step as its Python thread lives it: launches, then a blocking read of the result
-    (``async_callback``, as the model runner calls it, in between)."""
+def _launch_like_a_device() -> float:
+    """A GPU step's launches as its Python thread lives them (each lets go of the GIL for a
+    moment, as ``time.sleep`` does even for 0 s); return when the forward starts."""
     half = LAUNCHES_PER_STEP // 2
-    for _ in range(half):  # the input copies (time.sleep releases the GIL, even for 0 s)
+    for _ in range(half):  # the input copies
         time.sleep(0)
-    done = time.perf_counter() + seconds  # the forward starts
+    start = time.perf_counter()  # the forward is queued
     for _ in range(LAUNCHES_PER_STEP - half):  # the sampler's kernels, queued behind it
         time.sleep(0)
-    if async_callback is not None:
-        async_callback()
-    time.sleep(max(0.0, done - time.perf_counter()))  # .tolist(): wait for the device
+    return start
 
 
 def replay_mode(mode: str, args, settings: dict, model_dir: str, requests, cache_tokens: int,

@@ -9,11 +9,23 @@ this process on a free loopback port (``--model DIR`` or ``--shape``, random wei
 Each request asks for ``continuous_usage_stats``, so every chunk carries the token
 count so far: a chunk of k tokens after a gap g counts as k inter-token gaps of g / k
 (the server sends a stream's tokens at most every ``--stream-interval`` seconds).
+The clients keep two numbers per chunk (its gap and token count, in arrays), so a
+long stream's client memory is 12 bytes a chunk.
 
 The clients run in a child process: parsing every chunk of 48 streams in the server's
 process took that much of the interpreter from the engine thread (they share the GIL)
 that the engine stepped at half its pace. With the server here, each rate also reports
 the engine's steps per second, to compare with its offline step time.
+
+``--workload reasoning-8k`` (or ``reasoning-16k``; ``--scale``, ``--modes``,
+``--num-requests``, ``--kv-cache-tokens`` as for ``bench throughput``) sends the seeded
+requests of ``zipage bench throughput`` with the same engine settings and KV cache, each
+with its own ``max_tokens`` and seed, EOS ignored, at one rate (default ``inf``). Per mode
+it also runs the same requests through the engine offline (stepped in a loop, as
+``LLM.generate`` does), each run on a fresh engine warmed up as throughput's, and reports
+online and offline tokens/s side by side: the server's cost is their ratio. With ``inf``
+the requests are all sent at once and reach the engine in the order the connections are
+accepted, close to but not always the offline order.
 
 ``--simulated-step`` serves no model: each engine step takes the time of a step model
 (``--step-model``, by default the H200 Qwen3-8B fit of ``bench replay``) the way a GPU
@@ -28,12 +40,19 @@ import asyncio
 import json
 import math
 import multiprocessing
+import os
 import time
+from array import array
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
 from zipage.bench.common import model_dir_for, print_table, write_json
+from zipage.bench.workloads import WORKLOADS
+
+BENCH_MODEL = "bench"  # the model name of a server started here
+RANDOM_DEFAULTS = dict(num_requests=64, input_len=128, output_len=128, rates="1,4,16,inf", temperature=0.0,
+                       block_size=256, compression_window=16)
 
 
 def add_serving_parser(sub) -> None:
@@ -57,52 +76,67 @@ def add_serving_parser(sub) -> None:
                         help="with --simulated-step: a,b,c,p0,p1 in ms as for bench replay (default: the "
                              "H200 Qwen3-8B fit)")
     w = p.add_argument_group("workload")
-    w.add_argument("--rates", default="1,4,16,inf", help="requests per second, comma-separated (inf: burst)")
-    w.add_argument("--num-requests", type=int, default=64, help="per rate")
-    w.add_argument("--input-len", type=int, default=128, help="prompt tokens (random ids)")
-    w.add_argument("--output-len", type=int, default=128, help="output tokens (EOS ignored)")
+    w.add_argument("--rates", default=None, help="requests per second, comma-separated (inf: burst; default "
+                   "1,4,16,inf, with --workload one rate, default inf)")
+    w.add_argument("--num-requests", type=int, default=None, help="per rate (default 64; with --workload: "
+                   "enough that peak KV demand is twice the cache, as bench throughput)")
+    w.add_argument("--input-len", type=int, default=None, help="prompt tokens (random ids; default 128)")
+    w.add_argument("--output-len", type=int, default=None, help="output tokens (EOS ignored; default 128)")
     w.add_argument("--vocab-size", type=int, default=None, help="prompt ids below this (default: the model's, "
                    "or 256 with --url)")
-    w.add_argument("--temperature", type=float, default=0.0)
-    w.add_argument("--workload-seed", type=int, default=0)
+    w.add_argument("--temperature", type=float, default=None,
+                   help="default 0 (with --workload: bench throughput's, 0.6)")
+    w.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompts and arrivals")
     w.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
+    standard = p.add_argument_group("a standard workload, online against offline (--workload)")
+    standard.add_argument("--workload", default=None, choices=sorted(WORKLOADS),
+                          help="the seeded requests of bench throughput --workload (seeded by --seed), "
+                               "served here and run offline with the same engine settings")
+    standard.add_argument("--scale", default="1", help="as bench throughput: a factor, or 'small' / 'medium'")
+    standard.add_argument("--modes", default=None, help="as bench throughput (default full,zipage); "
+                          "--kv-budget-tokens, --compression-window and --block-size override the scale's")
+    standard.add_argument("--kv-cache-tokens", type=int, default=None, help="as bench throughput")
+    standard.add_argument("--whole-gpu", action="store_true", help="as bench throughput")
+    standard.add_argument("--samples-per-prompt", type=int, default=1)
     p.add_argument("--out", default=None, help="directory for serving.json")
     add_engine_args(p)
-    p.set_defaults(func=run_serving_bench)
+    # Their defaults depend on --workload (RANDOM_DEFAULTS without it, the scale's with it).
+    p.set_defaults(func=run_serving_bench, block_size=None, compression_window=None)
 
 
 def _rates(text: str) -> list[float]:
-    rates = [math.inf if r.strip() == "inf" else float(r) for r in text.split(",")]
-    if not rates or any(r <= 0 for r in rates):
+    try:
+        rates = [math.inf if r.strip() == "inf" else float(r) for r in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--rates must be positive numbers or 'inf', got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
         raise ValueError(f"--rates must be positive numbers or 'inf', got {text!r}")
     return rates
 
 
-def percentiles(values: list[float]) -> dict:
-    if not values:
+def percentiles(values) -> dict:
+    a = np.asarray(values, dtype=float)
+    if not a.size:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
-    a = np.asarray(values)
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
             "p99": float(np.percentile(a, 99))}
 
 
 async def _one_request(client, url: str, body: dict, start_at: float, t0: float, timeout: float) -> dict:
+    """Send one streamed request; keep per chunk only its gap and token count (kept small: a 16K-token
+    stream has thousands of chunks, and the clients of many streams share one interpreter)."""
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
     sent = time.perf_counter()
-    result = {"ttft": None, "itl": [], "latency": None, "output_tokens": 0, "error": None}
+    result = {"ttft": None, "gaps": array("d"), "counts": array("l"), "latency": None, "prompt_tokens": None,
+              "output_tokens": 0, "error": None}
+    gaps, counts = result["gaps"], result["counts"]
     last, tokens = sent, 0
     try:
         async with client.stream("POST", url, json=body, timeout=timeout) as response:
             if response.status_code != 200:
                 result["error"] = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(response):
                 if "error" in chunk:
                     result["error"] = chunk["error"]["message"]
                     return result
@@ -110,9 +144,10 @@ async def _one_request(client, url: str, body: dict, start_at: float, t0: float,
                 now, new = time.perf_counter(), usage.get("completion_tokens", tokens) - tokens
                 if new > 0:
                     if result["ttft"] is None:
-                        result["ttft"] = now - sent
+                        result["ttft"], result["prompt_tokens"] = now - sent, usage["prompt_tokens"]
                     else:
-                        result["itl"] += [(now - last) / new] * new
+                        gaps.append((now - last) / new)
+                        counts.append(new)
                     tokens, last = usage["completion_tokens"], now
     except Exception as error:  # noqa: BLE001 - a failed request is counted, the run goes on
         result["error"] = f"{type(error).__name__}: {error}"
@@ -121,38 +156,77 @@ async def _one_request(client, url: str, body: dict, start_at: float, t0: float,
     return result
 
 
-async def run_rate(base_url: str, model: str, rate: float, args, vocab_size: int, headers: dict) -> dict:
+async def sse_chunks(response):
+    """The JSON chunks of a server-sent event stream, up to ``[DONE]``. Events are split on blank lines
+    in the bytes: httpx's ``aiter_lines`` also splits at U+2028 and U+0085, which JSON leaves unescaped
+    in random text."""
+    pending = b""
+    async for data in response.aiter_bytes():
+        *events, pending = (pending + data).split(b"\n\n")
+        for event in events:
+            if not event.startswith(b"data: "):
+                continue
+            if event == b"data: [DONE]":
+                return
+            yield json.loads(event[6:])
+
+
+async def run_rate(base_url: str, bodies: list[dict], arrivals, timeout: float, headers: dict) -> dict:
+    """Send ``bodies`` (streamed completions) at ``arrivals`` (seconds from the start); their numbers."""
     import httpx
 
-    rng = np.random.default_rng(args.workload_seed)
-    n = args.num_requests
-    gaps = np.zeros(n) if math.isinf(rate) else rng.exponential(1.0 / rate, n)
-    arrivals = np.cumsum(gaps) - gaps[0]
-    prompts = rng.integers(0, vocab_size, (n, args.input_len)).tolist()
     url = base_url.rstrip("/") + "/v1/completions"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(headers=headers, limits=limits) as client:
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(
-            _one_request(client, url, {
-                "model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": args.temperature,
-                "ignore_eos": True, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-                float(arrival), t0, args.timeout)
-            for prompt, arrival in zip(prompts, arrivals)))
-        duration = time.perf_counter() - t0
+        t0, cpu = time.perf_counter(), time.process_time()
+        results = await asyncio.gather(*(_one_request(client, url, body, float(arrival), t0, timeout)
+                                         for body, arrival in zip(bodies, arrivals)))
+        duration, cpu = time.perf_counter() - t0, time.process_time() - cpu
+    n = len(bodies)
     done = [r for r in results if r["error"] is None]
     output_tokens = sum(r["output_tokens"] for r in done)
-    return {"rate": "inf" if math.isinf(rate) else rate, "num_requests": n, "completed": len(done),
-            "failed": n - len(done), "errors": sorted({str(r["error"]) for r in results if r["error"]})[:5],
+    # ITL: each chunk's gap once per token it brought
+    itl = np.repeat(np.concatenate([r["gaps"] for r in done] or [[]]),
+                    np.concatenate([r["counts"] for r in done] or [[]]).astype(int))
+    return {"num_requests": n, "completed": len(done), "failed": n - len(done),
+            "errors": sorted({str(r["error"]) for r in results if r["error"]})[:5],
             "duration_s": duration, "requests_per_s": len(done) / duration,
-            "output_tokens_per_s": output_tokens / duration,
+            "output_tokens": output_tokens, "output_tokens_per_s": output_tokens / duration,
             "ttft_s": percentiles([r["ttft"] for r in done if r["ttft"] is not None]),
-            "itl_s": percentiles([x for r in done for x in r["itl"]]),
-            "latency_s": percentiles([r["latency"] for r in done])}
+            "itl_s": percentiles(itl), "latency_s": percentiles([r["latency"] for r in done]),
+            "client_cpu_s": cpu, "chunks": sum(len(r["gaps"]) + (r["ttft"] is not None) for r in results),
+            "request_lengths": [[r["prompt_tokens"], r["output_tokens"]] for r in results]}
 
 
-def _run_rate_sync(base_url: str, model: str, rate: float, args, vocab_size: int, headers: dict) -> dict:
-    return asyncio.run(run_rate(base_url, model, rate, args, vocab_size, headers))
+def run_rate_sync(base_url: str, bodies: list[dict], arrivals, timeout: float, headers: dict) -> dict:
+    return asyncio.run(run_rate(base_url, bodies, arrivals, timeout, headers))
+
+
+def arrivals(rate: float, count: int, rng: np.random.Generator) -> np.ndarray:
+    """Poisson arrival times (seconds from the first), or all at 0 for rate ``inf``."""
+    gaps = np.zeros(count) if math.isinf(rate) else rng.exponential(1.0 / rate, count)
+    return np.cumsum(gaps) - gaps[0]
+
+
+def stream_body(model: str, prompt, params) -> dict:
+    """A streamed completion request of ``params`` (a ``SamplingParams``), with the usage in every chunk."""
+    body = {"model": model, "prompt": prompt, "max_tokens": params.max_tokens, "temperature": params.temperature,
+            "ignore_eos": params.ignore_eos, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    for field in ("seed", "stop"):
+        if getattr(params, field):
+            body[field] = getattr(params, field)
+    return body
+
+
+def client_pool() -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _warm_clients(clients, base_url: str, model: str, headers: dict) -> None:
+    """One short request first: the child's imports and the connection are not timed."""
+    from zipage import SamplingParams
+    body = stream_body(model, [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    clients.submit(run_rate_sync, base_url, [body], [0.0], 600.0, headers).result()
 
 
 def _server_model(base_url: str, headers: dict) -> str:
@@ -163,13 +237,27 @@ def _server_model(base_url: str, headers: dict) -> str:
 
 
 def run_serving_bench(args: argparse.Namespace) -> int:
-    rates = _rates(args.rates)
-    if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
-        raise ValueError("--num-requests, --input-len and --output-len must be >= 1")
-    if args.url and (args.simulated_step or args.switch_interval is not None):
-        raise ValueError("--simulated-step and --switch-interval are for a server started here, not --url")
+    if args.simulated_step and args.url:
+        raise ValueError("--simulated-step is for a server started here, not --url")
     if args.step_model is not None and not args.simulated_step:
         raise ValueError("--step-model needs --simulated-step")
+    if args.workload:
+        return run_workload_bench(args)
+    for name in ("modes", "kv_cache_tokens"):
+        if getattr(args, name) is not None:
+            raise ValueError(f"--{name.replace('_', '-')} needs --workload")
+    vars(args).update({k: v for k, v in RANDOM_DEFAULTS.items() if getattr(args, k) is None})
+    return run_random_bench(args)
+
+
+def run_random_bench(args: argparse.Namespace) -> int:
+    """Random prompts of ``--input-len`` tokens, ``--output-len`` tokens each, at every rate."""
+    rates = _rates(args.rates)
+    for name in ("num_requests", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.url and args.switch_interval is not None:
+        raise ValueError("--switch-interval is for a server started here, not --url")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     server = clients = None
     settings = {k: getattr(args, k) for k in ("num_requests", "input_len", "output_len", "temperature",
@@ -182,21 +270,26 @@ def run_serving_bench(args: argparse.Namespace) -> int:
             server, vocab_size, settings["server"] = _start_server(args)
             base_url = server.url
         model = _server_model(base_url, headers)
-        workload = argparse.Namespace(**{k: getattr(args, k) for k in (
-            "num_requests", "input_len", "output_len", "temperature", "workload_seed", "timeout")})
-        warmup = argparse.Namespace(**dict(vars(workload), num_requests=1, output_len=2))
-        clients = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        clients.submit(_run_rate_sync, base_url, model, math.inf, warmup, vocab_size, headers).result()
+        clients = client_pool()
+        _warm_clients(clients, base_url, model, headers)
         rows = []
         for rate in rates:
+            rng = np.random.default_rng(args.workload_seed)
+            at = arrivals(rate, args.num_requests, rng)
+            prompts = rng.integers(0, vocab_size, (args.num_requests, args.input_len)).tolist()
+            bodies = [dict(model=model, prompt=prompt, max_tokens=args.output_len, temperature=args.temperature,
+                           ignore_eos=True, stream=True, stream_options={"continuous_usage_stats": True})
+                      for prompt in prompts]
             steps = server.engine.stats.num_steps if server is not None else None
-            modelled = _modelled_ms(server)
-            row = clients.submit(_run_rate_sync, base_url, model, rate, workload, vocab_size, headers).result()
+            modelled = _runner_clock_ms(server.engine if server is not None else None)
+            row = dict(rate="inf" if math.isinf(rate) else rate,
+                       **clients.submit(run_rate_sync, base_url, bodies, at, args.timeout, headers).result())
+            del row["request_lengths"]  # all the same here
             if server is not None:
                 row["engine_steps"] = server.engine.stats.num_steps - steps
                 row["engine_steps_per_s"] = row["engine_steps"] / row["duration_s"]
             if modelled is not None:
-                row["modelled_ms_per_step"] = (_modelled_ms(server) - modelled) / max(row["engine_steps"], 1)
+                row["modelled_ms_per_step"] = (_runner_clock_ms(server.engine) - modelled) / max(row["engine_steps"], 1)
             rows.append(row)
             print(f"rate {row['rate']}: {row['completed']}/{row['num_requests']} done, "
                   f"{row['requests_per_s']:.2f} req/s, TTFT p50 {_ms(row['ttft_s']['p50'])}, "
@@ -215,24 +308,220 @@ def run_serving_bench(args: argparse.Namespace) -> int:
                 ["rate", "req/s", "tok/s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "steps/s",
                  "model_ms/step", "failed"])
     if args.out:
-        import os
         write_json(os.path.join(args.out, "serving.json"), result)
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
+# -- a standard workload, online against offline ------------------------------------------------
+def _workload_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``bench throughput``'s options for this run: its defaults, with what this command was given."""
+    from zipage.bench.throughput import workload_defaults
+
+    wargs = workload_defaults()
+    shared = ("model", "shape", "arch", "workload", "scale", "num_requests", "samples_per_prompt", "kv_cache_tokens",
+              "whole_gpu", "block_size", "redundancy", "no_prefix_caching", "enforce_eager", "max_num_seqs",
+              "tensor_parallel_size", "device", "seed")
+    vars(wargs).update({k: getattr(args, k) for k in shared})
+    vars(wargs).update({k: v for k, v in (("modes", args.modes), ("temperature", args.temperature),
+                                          ("budget", args.kv_budget_tokens), ("window", args.compression_window))
+                        if v is not None})
+    return wargs
+
+
+def _check_workload_options(args: argparse.Namespace, rates: list[float]) -> None:
+    given = [f"--{name}" for name, value in (
+        ("url", args.url), ("input-len", args.input_len), ("output-len", args.output_len),
+        ("vocab-size", args.vocab_size), ("kv-cache-memory-bytes", args.kv_cache_memory_bytes),
+        ("max-model-len", args.max_model_len), ("no-async-scheduling", args.no_async_scheduling or None))
+        if value is not None]
+    if given:
+        raise ValueError(f"--workload sets the requests, cache and context itself and serves here; drop {given} "
+                         "(for the cache: --kv-cache-tokens; for synchronous scheduling: the mode modifier +step-sync)")
+    if len(rates) != 1:
+        raise ValueError(f"--workload runs one rate (each run needs a fresh engine, as the prefix cache keeps "
+                         f"the prompts of the last), got --rates {args.rates}")
+
+
+def run_workload_bench(args: argparse.Namespace) -> int:
+    from zipage.bench.replay import parse_step_model
+    from zipage.bench.throughput import prepare_workload
+    from zipage.bench.workloads import peak_kv_demand
+
+    rates = _rates(args.rates or "inf")
+    _check_workload_options(args, rates)
+    wargs = _workload_args(args)
+    settings, model_dir, load_format, requests, cache_tokens, modes = prepare_workload(wargs)
+    step_model = parse_step_model(args.step_model) if args.simulated_step else None
+    run = _WorkloadRun(args, wargs, settings, model_dir, load_format, requests, cache_tokens, step_model, rates[0])
+    results = {}
+    with client_pool() as clients:
+        for mode in modes:
+            results[mode] = run.mode(mode, clients)
+    _print_workload_table(results)
+    ratios = _mode_ratios(results)
+    if ratios:
+        print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
+    lengths = [r.max_tokens for r in requests]
+    result = {"benchmark": "serving", "model": args.model or args.shape, "settings": run.settings(),
+              "workload": dict(name=args.workload, seed=wargs.seed, scale=settings["scale"], requests=len(requests),
+                               samples_per_prompt=wargs.samples_per_prompt, cache_tokens=cache_tokens,
+                               peak_kv_demand=peak_kv_demand(requests), output_tokens=sum(lengths),
+                               mean_prompt=sum(len(r.prompt) for r in requests) / len(requests),
+                               request_lengths=[[len(r.prompt), r.max_tokens] for r in requests]),
+              "modes": results, "ratios": ratios}
+    if args.out:
+        write_json(os.path.join(args.out, "serving.json"), result)
+    return 0 if all(r[side]["failed"] == 0 for r in results.values() for side in ("online", "offline")) else 1
+
+
+def _mode_ratios(results: dict) -> dict:
+    """Each Zipage mode's tokens/s over the first full-KV mode's, online and offline."""
+    full = next((m for m in results if m.split("+")[0] == "full"), None)
+    return {f"{m}_over_{full}_{side}": results[m][side]["output_tokens_per_s"] / results[full][side][
+            "output_tokens_per_s"] for m in results if full and m.split("+")[0] == "zipage"
+            for side in ("online", "offline")}
+
+
+class _WorkloadRun:
+    """One workload's runs: per mode, through the server and offline, each on a fresh engine."""
+
+    def __init__(self, args, wargs, settings, model_dir, load_format, requests, cache_tokens, step_model, rate):
+        from zipage.bench.throughput import request_params
+
+        self.args, self.wargs, self.step_model, self.rate = args, wargs, step_model, rate
+        self.build = (settings, model_dir, load_format, requests, cache_tokens)
+        self.requests = requests
+        self.params = [request_params(wargs, i, r) for i, r in enumerate(requests)]
+        self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+    def settings(self) -> dict:
+        return dict(rate="inf" if math.isinf(self.rate) else self.rate, temperature=self.wargs.temperature,
+                    simulated_step=self.step_model, timeout=self.args.timeout,
+                    **{k: getattr(self.args, k) for k in ("stream_interval", "switch_interval")})
+
+    def mode(self, mode: str, clients) -> dict:
+        from zipage.bench.throughput import free_device_memory
+
+        print(f"  {mode}: through the server ...", flush=True)
+        online, opts = self._online(mode, clients)
+        free_device_memory()
+        print(f"  {mode}: offline ...", flush=True)
+        offline = self._offline(mode)
+        free_device_memory()
+        ratio = online["output_tokens_per_s"] / offline["output_tokens_per_s"]
+        print(f"  {mode}: {online['output_tokens_per_s']:,.0f} tokens/s online, "
+              f"{offline['output_tokens_per_s']:,.0f} offline ({ratio:.2f})", flush=True)
+        return dict(options=opts, online=online, offline=offline, online_over_offline=ratio)
+
+    def _engine(self, mode: str):
+        """A fresh engine of ``mode``, warmed up as bench throughput's."""
+        import torch
+
+        from zipage.bench.throughput import engine_kwargs, kv_dtype, warm_up
+
+        settings, model_dir, load_format, requests, cache_tokens = self.build
+        dtype = torch.bfloat16 if self.step_model else kv_dtype(self.wargs)  # a simulated step is a GPU's
+        kwargs, opts = engine_kwargs(mode, self.wargs, settings, model_dir, requests, cache_tokens, dtype)
+        if self.step_model is not None:
+            engine = simulated_engine(model_dir, kwargs, self.step_model, self.wargs.tensor_parallel_size)
+        else:
+            engine = _engine(model_dir, dict(kwargs, load_format=load_format))
+        _off_main_thread(warm_up, engine, engine.runner, opts, requests)
+        return engine, opts
+
+    def _online(self, mode: str, clients) -> tuple[dict, dict]:
+        from zipage.server.background import ServerThread
+
+        engine, opts = self._engine(mode)
+        try:
+            with ServerThread(_app(engine, self.args)) as server:
+                _warm_clients(clients, server.url, BENCH_MODEL, self.headers)
+                bodies = [stream_body(BENCH_MODEL, r.prompt, p) for r, p in zip(self.requests, self.params)]
+                at = arrivals(self.rate, len(bodies), np.random.default_rng(self.wargs.seed))
+                steps, modelled = engine.stats.num_steps, _runner_clock_ms(engine)
+                row = clients.submit(run_rate_sync, server.url, bodies, at, self.args.timeout,
+                                     self.headers).result()
+                row["engine_steps"] = engine.stats.num_steps - steps
+                row["engine_steps_per_s"] = row["engine_steps"] / row["duration_s"]
+                if modelled is not None:
+                    row["modelled_ms_per_step"] = (_runner_clock_ms(engine) - modelled) / max(row["engine_steps"], 1)
+        finally:
+            engine.close()
+        return row, opts
+
+    def _offline(self, mode: str) -> dict:
+        engine, _ = self._engine(mode)
+        try:
+            return _off_main_thread(offline_run, engine, self.requests, self.params)
+        finally:
+            engine.close()
+
+
+def _off_main_thread(fn, *args):
+    """``fn(*args)`` on a thread of its own, as the server steps its engine: on a 2-core CPU, torch
+    ran the tiny model's steps several times slower on the main thread than on another one."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as thread:
+        return thread.submit(fn, *args).result()
+
+
+def offline_run(engine, requests, params) -> dict:
+    """Step the engine in a loop over ``requests`` (as ``LLM.generate``); tokens/s and each request's lengths."""
+    index = {engine.add_request(r.prompt, p): i for i, (r, p) in enumerate(zip(requests, params))}
+    lengths: list = [[None, 0]] * len(requests)
+    failed, steps = 0, engine.stats.num_steps
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for output in engine.step()[0]:
+            lengths[index[output.request_id]] = [len(output.prompt_token_ids), len(output.outputs[0].token_ids)]
+            failed += output.outputs[0].finish_reason == "error"
+    duration = time.perf_counter() - start
+    tokens = sum(n for _, n in lengths)
+    steps = engine.stats.num_steps - steps
+    return dict(num_requests=len(requests), completed=len(requests) - failed, failed=failed, duration_s=duration,
+                requests_per_s=(len(requests) - failed) / duration, output_tokens=tokens,
+                output_tokens_per_s=tokens / duration, engine_steps=steps, engine_steps_per_s=steps / duration,
+                request_lengths=lengths)
+
+
+def _print_workload_table(results: dict) -> None:
+    print()
+    print_table([{"mode": mode, "online_tok/s": r["online"]["output_tokens_per_s"],
+                  "offline_tok/s": r["offline"]["output_tokens_per_s"], "online/offline": r["online_over_offline"],
+                  "ttft_p50_ms": _ms_value(r["online"]["ttft_s"]["p50"]),
+                  "ttft_p99_ms": _ms_value(r["online"]["ttft_s"]["p99"]),
+                  "itl_p50_ms": _ms_value(r["online"]["itl_s"]["p50"]),
+                  "itl_p99_ms": _ms_value(r["online"]["itl_s"]["p99"]),
+                  "steps/s_online": r["online"]["engine_steps_per_s"],
+                  "steps/s_offline": r["offline"]["engine_steps_per_s"],
+                  "failed": r["online"]["failed"] + r["offline"]["failed"]} for mode, r in results.items()],
+                ["mode", "online_tok/s", "offline_tok/s", "online/offline", "ttft_p50_ms", "ttft_p99_ms",
+                 "itl_p50_ms", "itl_p99_ms", "steps/s_online", "steps/s_offline", "failed"])
+
+
+# -- servers and engines -----------------------------------------------------------------------
+def _app(engine, args):
+    from zipage.server.app import create_app
+
+    options = {k: getattr(args, k) for k in ("stream_interval", "switch_interval") if getattr(args, k) is not None}
+    return create_app(engine, BENCH_MODEL, api_key=args.api_key, max_queued_requests=10**6, **options)
+
+
 def _start_server(args):
     """Build the engine and serve it on a free loopback port of this process."""
+    from zipage.bench.replay import parse_step_model
     from zipage.cli import engine_kwargs
-    from zipage.server.app import create_app
     from zipage.server.background import ServerThread
 
     model_dir, load_format = model_dir_for(args.model, args.shape, args.arch)
     kwargs = engine_kwargs(args)
     if load_format == "dummy":
         kwargs["load_format"] = "dummy"
-    engine = _simulated_engine(model_dir, kwargs, args) if args.simulated_step else _engine(model_dir, kwargs)
-    options = {k: getattr(args, k) for k in ("stream_interval", "switch_interval") if getattr(args, k) is not None}
-    app = create_app(engine, "bench", api_key=args.api_key, max_queued_requests=10**6, **options)
+    if args.simulated_step:
+        engine = simulated_engine(model_dir, kwargs, parse_step_model(args.step_model), args.tensor_parallel_size)
+    else:
+        engine = _engine(model_dir, kwargs)
+    app = _app(engine, args)
     vocab_size = args.vocab_size or engine.vocab_size
     described = {k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for k, v in kwargs.items()}
     server = ServerThread(app)
@@ -250,22 +539,24 @@ def _engine(model_dir: str, kwargs: dict):
     return LLM(model_dir, **kwargs).engine
 
 
-def _simulated_engine(model_dir: str, kwargs: dict, args):
-    """An engine whose runner sleeps for a step model's time instead of running the model."""
-    from zipage.bench.replay import SimulatedRunner, parse_step_model
+def simulated_engine(model_dir: str, kwargs: dict, step_model: dict, tensor_parallel_size: int = 1,
+                     token_range: int | None = None):
+    """An engine whose runner sleeps for a step model's time instead of running the model
+    (``token_range``: its random tokens are ids below this; default: the whole vocabulary)."""
+    from zipage.bench.replay import SimulatedRunner
     from zipage.bench.throughput import rank_spec
     from zipage.config import EngineConfig
     from zipage.engine.llm_engine import LLMEngine
 
     config = EngineConfig.from_kwargs(model_dir, **dict(kwargs, device="cpu", load_format="auto"))
-    runner = SimulatedRunner(config, rank_spec(model_dir, args.tensor_parallel_size),
-                             parse_step_model(args.step_model), sleep=True)
+    runner = SimulatedRunner(config, rank_spec(model_dir, tensor_parallel_size), step_model, sleep=True,
+                             token_range=token_range)
     return LLMEngine(config, runner=runner)
 
 
-def _modelled_ms(server) -> float | None:
-    """The simulated runner's clock, if the server here has one."""
-    runner = getattr(getattr(server, "engine", None), "runner", None)
+def _runner_clock_ms(engine) -> float | None:
+    """The simulated runner's clock, if the engine has one."""
+    runner = getattr(engine, "runner", None)
     if getattr(runner, "sleep", False):
         return runner.decode_ms + runner.prefill_ms
     return None

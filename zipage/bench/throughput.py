@@ -81,6 +81,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "marked truncated (for a run longer than the time one has)")
 
 
+def workload_defaults() -> argparse.Namespace:
+    """The workload, cache and engine options at their defaults (for a benchmark with other options)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_workload_args(parser)
+    return parser.parse_args([])
+
+
 def _settings(args) -> dict:
     preset = PRESETS.get(args.scale, {})
     scale = preset.get("scale") or float(args.scale)
@@ -89,7 +96,7 @@ def _settings(args) -> dict:
     return dict(scale=scale, **{k: v if v is not None else preset.get(k, defaults[k]) for k, v in pick.items()})
 
 
-def _kv_bytes_per_token(spec, dtype) -> int:
+def kv_bytes_per_token(spec, dtype) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
 
 
@@ -144,7 +151,7 @@ def _steady_state(bound: list[float], decode: list[dict]) -> list[tuple[float, d
     return [(b, s) for b, s in zip(bound, decode) if s["seqs"] >= 0.8 * busiest]
 
 
-def _warm_up(engine, runner, opts: dict, requests) -> None:
+def warm_up(engine, runner, opts: dict, requests) -> None:
     """Compile what the run will meet (prefill shapes, compression on both paths) before timing:
     otherwise the first mode of a process pays it. Random prompts, so no prefix-cache hits carry over."""
     from zipage import SamplingParams
@@ -182,7 +189,7 @@ def engine_kwargs(mode: str, args, settings: dict, model_dir: str, requests, cac
                   tensor_parallel_size=args.tensor_parallel_size)
     if not args.whole_gpu:
         spec = rank_spec(model_dir, args.tensor_parallel_size)
-        kwargs["kv_cache_memory_bytes"] = cache_tokens * _kv_bytes_per_token(spec, dtype)
+        kwargs["kv_cache_memory_bytes"] = cache_tokens * kv_bytes_per_token(spec, dtype)
     return kwargs, opts
 
 
@@ -194,26 +201,42 @@ def rank_spec(model_dir: str, tensor_parallel_size: int):
     return replace(spec, num_kv_heads=max(1, spec.num_kv_heads // tensor_parallel_size))
 
 
+def kv_dtype(args) -> torch.dtype:
+    """The KV cache's dtype on the run's device (as the engine's ``dtype="auto"`` picks it for a shape)."""
+    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu"
+    return torch.bfloat16 if on_gpu else torch.float32
+
+
+def request_params(args, index: int, request):
+    """The sampling parameters of the workload's ``index``-th request (EOS ignored, seeded by its index)."""
+    from zipage import SamplingParams
+    return SamplingParams(temperature=args.temperature, max_tokens=request.max_tokens, ignore_eos=True,
+                          seed=args.seed * 1_000_003 + index)
+
+
+def free_device_memory() -> None:
+    """Collect the engine just dropped and give its device memory back, before the next one is built."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, requests, cache_tokens) -> dict:
     """Serve ``requests`` in one mode; return its metrics and per-step timeline."""
-    from zipage import LLM, SamplingParams
+    from zipage import LLM
 
-    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu"
-    kwargs, opts = engine_kwargs(mode, args, settings, model_dir, requests, cache_tokens,
-                                 torch.bfloat16 if on_gpu else torch.float32)
+    kwargs, opts = engine_kwargs(mode, args, settings, model_dir, requests, cache_tokens, kv_dtype(args))
     kwargs["load_format"] = load_format
     setup_start = time.perf_counter()
     llm = LLM(model_dir, **kwargs)
     engine, runner = llm.engine, llm.engine.runner
-    kv_per_token = _kv_bytes_per_token(runner.spec, runner.dtype)
+    kv_per_token = kv_bytes_per_token(runner.spec, runner.dtype)
     weight_bytes = _weight_bytes(runner.model)
-    _warm_up(engine, runner, opts, requests)
+    warm_up(engine, runner, opts, requests)
     setup_s = time.perf_counter() - setup_start  # engine start (weights, graphs, compiles) and warm-up
     print(f"  {mode}: ready after {setup_s:.0f} s (engine start and warm-up)", flush=True)
     compressions_before = engine.stats.num_compressions
-    request_ids = [engine.add_request(r.prompt, SamplingParams(temperature=args.temperature, max_tokens=r.max_tokens,
-                                                               ignore_eos=True, seed=args.seed * 1_000_003 + i))
-                   for i, r in enumerate(requests)]
+    request_ids = [engine.add_request(r.prompt, request_params(args, i, r)) for i, r in enumerate(requests)]
     trace = runner.enable_trace()
     timeline, outputs = [], 0
     bm = engine.block_manager
@@ -268,9 +291,7 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
         raise RuntimeError(f"{mode}: {bm.num_blocks - bm.num_free_blocks} KV blocks were not returned")
     llm.close()  # stops tensor-parallel followers before the next mode starts its own
     del llm, engine, runner
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_device_memory()
     return dict(metrics=metrics, timeline=timeline)
 
 
@@ -338,9 +359,7 @@ def run_hf(args, settings, model_dir, load_format, requests) -> dict | None:
             elapsed += time.perf_counter() - start
         generated += (out.shape[1] - width) * len(batch)
     del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_device_memory()
     return dict(requests=len(subset), batch_size=batch_size, new_tokens_each=new_tokens,
                 tokens_per_s=generated / elapsed)
 
