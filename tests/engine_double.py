@@ -482,7 +482,7 @@ class CheckingRunner:
         assert len(expected) == seq.kv_len, \
             f"request {rid}: kv_len {seq.kv_len}, but {len(expected)} entries were cached"
         pos = seq.num_tokens - 1
-        tokens = seq.token_ids + [input_token] * seq.num_pending
+        tokens = seq.token_ids.tolist() + [input_token] * seq.num_pending
         entry = self._entry(seq, pos, tokens)
         self._write(seq, seq.kv_len, pos, entry, holders)
         self._save_query(seq, pos)

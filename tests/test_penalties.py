@@ -117,7 +117,7 @@ def test_sampler_penalties_match_float64_reference(trial):
         seq = Sequence(str(i), None, prompt, params, 64, seed=1000 + i)
         seq.status = SequenceStatus.RUNNING  # admitted, as the scheduler does before a prefill
         split = int(rng.integers(0, len(output) + 1))
-        seq.token_ids += output[:split]
+        seq.token_ids.extend(output[:split])
         seqs.append(seq)
         outputs.append(output)
     order = rng.permutation(batch)

@@ -242,7 +242,7 @@ def test_recompute_prefills_the_whole_token_list():
             break
     assert batch.seqs == [c] and c.num_prefix_hit_tokens == 0
     assert eng.batches[-1][3] == len(tokens_at_preemption) == 9
-    assert c.token_ids[:9] == tokens_at_preemption and c.num_output_tokens == 3
+    assert c.token_ids[:9].tolist() == tokens_at_preemption and c.num_output_tokens == 3
     eng.run()
     eng.check_done()
 

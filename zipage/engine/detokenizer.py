@@ -11,6 +11,9 @@ does not make every step decode a longer and longer tail.
 
 Released text is kept as a list of parts (one per step that released some) and joined
 once, when the request ends: appending to one growing string would copy it every step.
+A streamed request's parts are dropped once ``take`` has handed them out, so that a long
+stream holds only what it has not sent (a list of every part would be walked by each full
+garbage collection).
 A stop string is searched for in the new text plus the ``len(stop) - 1`` characters
 before it, which is all a match that ends in the new text can span.
 
@@ -58,7 +61,8 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        """The released text (joined each call: read it once, at the end)."""
+        """The released text (joined each call: read it once, at the end); after ``take``, only
+        what was not handed out."""
         if len(self._parts) > 1:
             self._parts = ["".join(self._parts)]
         return self._parts[0] if self._parts else ""
@@ -107,7 +111,16 @@ class IncrementalDetokenizer:
             pieces.append(part[max(0, end_in_part - need):end_in_part])
             need -= len(pieces[-1])
         self._sent = end
+        self._drop_taken()
         return "".join(reversed(pieces))
+
+    def _drop_taken(self) -> None:
+        """Forget the leading parts that were handed out entirely."""
+        untaken, kept, i = self.num_chars - self._sent, 0, len(self._parts)
+        while i > 0 and kept < untaken:
+            i -= 1
+            kept += len(self._parts[i])
+        del self._parts[:i]
 
     def flush(self) -> None:
         """The request ended without a stop string: release what is left, an unfinished character too."""

@@ -481,8 +481,8 @@ class LLMEngine:
         detok = self._detokenizers.get(seq.request_id)
         # Hold back what a stop string completed by later tokens could still cut off.
         text = detok.take(hold_back=max(len(s) for s in detok.stop) - 1 if detok.stop else 0) if detok else ""
-        token_ids = seq.token_ids[seq.num_prompt_tokens + sent:]
-        prompt_ids = seq.token_ids[:seq.num_prompt_tokens] if sent == 0 else []
+        token_ids = seq.token_ids[seq.num_prompt_tokens + sent:].tolist()
+        prompt_ids = seq.token_ids[:seq.num_prompt_tokens].tolist() if sent == 0 else []
         self._streamed[seq.request_id] = sent + len(token_ids)
         return RequestOutput(seq.request_id, seq.prompt, prompt_ids, [CompletionOutput(0, text, token_ids)],
                              finished=False, metrics=seq.metrics)
@@ -497,14 +497,14 @@ class LLMEngine:
                 detok.flush()
             text = detok.take() if sent is not None else detok.text
         elif self.tokenizer is not None:
-            ids = seq.token_ids[seq.num_prompt_tokens:]
+            ids = seq.output_token_ids
             if seq.finish_reason == "stop":
                 ids = ids[:-1]  # the token that stopped the request is not part of the text
             text = self.tokenizer.decode(ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
         else:
             text = ""
-        output_ids = seq.token_ids[seq.num_prompt_tokens + (sent or 0):]
-        prompt_ids = seq.token_ids[:seq.num_prompt_tokens] if not sent else []
+        output_ids = seq.token_ids[seq.num_prompt_tokens + (sent or 0):].tolist()
+        prompt_ids = seq.token_ids[:seq.num_prompt_tokens].tolist() if not sent else []
         completion = CompletionOutput(0, text, output_ids, seq.finish_reason, seq.stop_reason)
         return RequestOutput(seq.request_id, seq.prompt, prompt_ids, [completion], finished=True,
                              metrics=seq.metrics, error=seq.error)

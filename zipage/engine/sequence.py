@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 
 from zipage.engine.block_table import BlockTable
 from zipage.outputs import RequestMetrics
@@ -27,13 +28,17 @@ class Sequence:
     reach the host: ``num_pending`` counts the request's sampled tokens whose values
     are still on the device. They count in ``num_tokens`` (positions, blocks, stop by
     length) but are not yet in ``token_ids``.
+
+    ``token_ids`` is an ``array('q')``, not a list: a list of tens of thousands of ids per
+    request is walked by every full garbage collection, which made the server's host work
+    per step grow with the output; an array is one object the collector does not look into.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, max_tokens: int, seed: int):
         self.request_id = request_id
         self.prompt = prompt
-        self.token_ids: list[int] = list(prompt_token_ids)
+        self.token_ids = array("q", prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # resolved: never runs past the context limit
@@ -65,7 +70,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:].tolist()
 
     @property
     def is_finished(self) -> bool:

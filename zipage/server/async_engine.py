@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import sys
 import threading
@@ -160,6 +161,10 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will await the results."""
         self._loop = asyncio.get_running_loop()
+        # What exists now (model, tokenizer, app) lives as long as the server: keep it out of the
+        # garbage collector's full passes, which otherwise walk it again and again while serving.
+        gc.collect()
+        gc.freeze()
         if self.switch_interval is not None:
             self._saved_switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(self.switch_interval)
@@ -176,6 +181,7 @@ class AsyncEngine:
         if self._saved_switch_interval is not None:
             sys.setswitchinterval(self._saved_switch_interval)
             self._saved_switch_interval = None
+        gc.unfreeze()  # what start froze may go again (and extension modules tear down cleanly)
 
     @property
     def alive(self) -> bool:
