@@ -484,3 +484,15 @@ def test_serve_command_builds_the_server(model_dir, monkeypatch):
     assert seen["no_key"] == 401 and seen["models"] == ["served"] and isinstance(seen["text"], str)
     assert cli_main(["serve", model_dir, "--max-queued-requests", "-1"]) == 2
     assert cli_main(["serve", model_dir, "--switch-interval", "0"]) == 2
+
+
+def test_sse_events_stay_one_line_whatever_the_text():
+    """U+2028, U+2029 and U+0085 end lines for str.splitlines-based clients: they are escaped."""
+    import json
+
+    from zipage.server.app import _encode_json
+
+    chunk = {"text": "a\u2028b\u2029c\x85d\ne \u00e9"}
+    encoded = _encode_json(chunk)
+    assert len(encoded.splitlines()) == 1 and json.loads(encoded) == chunk
+    assert "\u00e9" in encoded  # other text stays as it is

@@ -290,7 +290,14 @@ class _EventStream(StreamingResponse):
                 self.engine.abort(self.generation.unfinished)
 
 
-_encode_json = json.JSONEncoder(ensure_ascii=False).encode  # built once: json.dumps builds one a call
+_encode = json.JSONEncoder(ensure_ascii=False).encode  # built once: json.dumps builds one a call
+# Characters that JSON leaves raw but that line splitters such as Python's str.splitlines (and
+# so some SSE clients) treat as line ends: escaped, an event is always one line.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def _encode_json(obj) -> str:
+    return _encode(obj).translate(_LINE_BREAKS)
 
 
 def _sse(events, engine: AsyncEngine, generation: Generation) -> StreamingResponse:

@@ -69,18 +69,17 @@ class Generation:
                 self._wakeup = asyncio.get_running_loop().create_future()
                 await self._wakeup
             items, self._ready = self._ready, []
-            merged: dict[str, RequestOutput] = {}
+            grouped: dict[str, list[RequestOutput]] = {}
             error = None
             for item in items:
                 if isinstance(item, BaseException):
                     error = item
                     break
-                previous = merged.get(item.request_id)
-                merged[item.request_id] = item if previous is None else _merge(previous, item)
+                grouped.setdefault(item.request_id, []).append(item)
                 if item.finished:
                     self.unfinished.discard(item.request_id)
-            if merged:
-                yield [(self.index[rid], output) for rid, output in merged.items()]
+            if grouped:
+                yield [(self.index[rid], _merge(outputs)) for rid, outputs in grouped.items()]
             if error is not None:
                 raise error
 
@@ -90,13 +89,17 @@ class Generation:
                 yield item
 
 
-def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive streamed outputs of one request as one."""
-    a, b = first.outputs[0], then.outputs[0]
-    completion = CompletionOutput(b.index, a.text + b.text, a.token_ids + b.token_ids, b.finish_reason,
-                                  b.stop_reason)
-    return RequestOutput(then.request_id, then.prompt, first.prompt_token_ids or then.prompt_token_ids,
-                         [completion], then.finished, then.metrics)
+def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive streamed outputs of one request as one (joined once: linear in their size)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    first, last = outputs[0], outputs[-1]
+    parts = [o.outputs[0] for o in outputs]
+    completion = CompletionOutput(parts[-1].index, "".join(p.text for p in parts),
+                                  [t for p in parts for t in p.token_ids], parts[-1].finish_reason,
+                                  parts[-1].stop_reason)
+    return RequestOutput(last.request_id, last.prompt, first.prompt_token_ids or last.prompt_token_ids,
+                         [completion], last.finished, last.metrics)
 
 
 class AsyncEngine:
