@@ -39,6 +39,18 @@ def model_dir(checkpoint_dir):
     return checkpoint_dir("qwen3", with_weights=False)
 
 
+def step_to_end(engine, runner, max_steps: int = 2000) -> dict:
+    """Step until no request is left, checking the state after each step; the final outputs by id."""
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finals
+        finished, _ = step_checked(engine, runner)
+        finals.update((o.request_id, o) for o in finished if o.finished)
+        check_state(engine, runner)
+    raise AssertionError(f"requests left after {max_steps} steps")
+
+
 def check_after_fault(model_dir: str, workload: Workload, outputs, engine, runner, expected) -> set[str]:
     """The checks every fault test makes; returns the ids of the requests that failed."""
     failed = set()
@@ -62,13 +74,7 @@ def check_after_fault(model_dir: str, workload: Workload, outputs, engine, runne
              and (r.params.get("temperature", 0.0) == 0.0 or r.params.get("seed") is not None)]
     for r in again:
         engine.add_request(r.prompt, r.sampling_params(alphabet), request_id=r.rid)
-    finals = {}
-    for _ in range(2000):
-        if not engine.has_unfinished_requests():
-            break
-        finished, _ = step_checked(engine, runner)
-        finals.update((o.request_id, o) for o in finished)
-        check_state(engine, runner)
+    finals = step_to_end(engine, runner)
     for r in again:
         out = finals[r.rid].outputs[0]
         assert (out.token_ids, out.text, out.finish_reason) == expected[r.rid][:3], f"request {r.rid} sent again"
@@ -117,11 +123,7 @@ def test_a_failed_launch_reads_the_step_in_flight_for_the_requests_it_preempted(
     for r in workload.requests:
         engine.add_request(r.prompt, r.sampling_params(alphabet), request_id=r.rid)
     runner.inject("decode_launch", at=0)
-    finals = {}
-    while engine.has_unfinished_requests():
-        finished, _ = step_checked(engine, runner)
-        finals.update((o.request_id, o) for o in finished)
-        check_state(engine, runner)
+    finals = step_to_end(engine, runner)
     assert finals["A"].outputs[0].finish_reason == "error"
     assert engine.scheduler.num_preemptions >= 1
     assert finals["B"].outputs[0].token_ids == expected["B"][0]
@@ -228,11 +230,7 @@ def test_a_lost_prefill_fails_the_requests_that_read_its_blocks_in_the_next_step
     for r in (b, c):
         engine.add_request(r.prompt, r.sampling_params(alphabet), request_id=r.rid)
     runner.inject("collect", at=0)
-    finals = {}
-    while engine.has_unfinished_requests():
-        finished, _ = step_checked(engine, runner)
-        finals.update((o.request_id, o) for o in finished)
-        check_state(engine, runner)
+    finals = step_to_end(engine, runner)
     assert engine.block_manager.prefix_hit_tokens >= 4  # B was served A's first block
     assert [finals[r].outputs[0].finish_reason for r in "ABC"] == ["error", "error", "length"]
     assert finals["C"].outputs[0].token_ids == expected["C"][0]

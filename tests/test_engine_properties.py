@@ -448,15 +448,21 @@ def test_double_catches_a_compacted_block_served_as_a_prefix(model_dir):
         step_checked(engine, runner)
 
 
-def test_double_catches_a_write_into_an_in_flight_compaction(model_dir):
+def _a_compaction_in_flight(model_dir):
+    """``a`` being compacted (for 5 more polls) while ``b`` decodes; (engine, runner)."""
     prompt = list(range(3, 12))
     wl = small_workload(dict(kv_budget_tokens=4, window=2, asynchronous=True), async_scheduling=False,
                         delays=[5], requests=[Request("a", prompt, dict(max_tokens=6, ignore_eos=True)),
                                               Request("b", [3, 4], dict(max_tokens=20, ignore_eos=True))])
     engine, runner = _engine_for(model_dir, wl)
-    a, b = engine._requests["a"], engine._requests["b"]
     while runner.in_flight is None:
         step_checked(engine, runner)
+    return engine, runner
+
+
+def test_double_catches_a_write_into_an_in_flight_compaction(model_dir):
+    engine, runner = _a_compaction_in_flight(model_dir)
+    a, b = engine._requests["a"], engine._requests["b"]
     task = runner.in_flight.tasks[0]
     assert task.seq is a and b.status is SequenceStatus.RUNNING
     # A bug that hands b, for the block its next token goes to, a block the compaction still reads.
@@ -468,13 +474,7 @@ def test_double_catches_a_write_into_an_in_flight_compaction(model_dir):
 
 
 def test_double_catches_a_freed_source_of_an_in_flight_compaction(model_dir):
-    prompt = list(range(3, 12))
-    wl = small_workload(dict(kv_budget_tokens=4, window=2, asynchronous=True), async_scheduling=False,
-                        delays=[5], requests=[Request("a", prompt, dict(max_tokens=6, ignore_eos=True)),
-                                              Request("b", [3, 4], dict(max_tokens=20, ignore_eos=True))])
-    engine, runner = _engine_for(model_dir, wl)
-    while runner.in_flight is None:
-        step_checked(engine, runner)
+    engine, runner = _a_compaction_in_flight(model_dir)
     (task,) = in_flight_compressions(engine)
     engine.block_manager.release(task.pending_release)  # released early, as a bug would
     with pytest.raises(AssertionError, match=rf"block {task.pending_release[0]}, read by the in-flight "
