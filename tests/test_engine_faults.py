@@ -235,3 +235,25 @@ def test_a_lost_prefill_fails_the_requests_that_read_its_blocks_in_the_next_step
     assert [finals[r].outputs[0].finish_reason for r in "ABC"] == ["error", "error", "length"]
     assert finals["C"].outputs[0].token_ids == expected["C"][0]
     check_done(engine, runner)
+
+
+def test_a_request_whose_compaction_fails_while_it_ends_gets_one_final_output(model_dir):
+    """Aborting a request waits for its compaction in flight; when that wait raises, the request
+    ends once, with the error (the abort returns nothing more)."""
+    wl = small_workload(dict(kv_budget_tokens=4, window=2, asynchronous=True), async_scheduling=False,
+                        delays=[5], requests=[Request("a", list(range(3, 12)), dict(max_tokens=6, ignore_eos=True)),
+                                              Request("b", [3, 4], dict(max_tokens=8, ignore_eos=True))])
+    engine, runner = build_engine(model_dir, wl, False, wl.num_blocks)
+    for r in wl.requests:
+        engine.add_request(r.prompt, r.sampling_params(token_alphabet(model_dir)), request_id=r.rid)
+    outputs = []
+    while runner.in_flight is None:
+        outputs += step_checked(engine, runner)[0]
+    runner.inject("compression_collect", at=runner.calls["compression_collect"])
+    assert engine.abort_request("a") is None
+    while engine.has_unfinished_requests():
+        outputs += step_checked(engine, runner)[0]
+    ends = {rid: [o.outputs[0].finish_reason for o in outputs if o.request_id == rid and o.finished]
+            for rid in "ab"}
+    assert ends == {"a": ["error"], "b": ["length"]}
+    check_done(engine, runner)

@@ -403,7 +403,7 @@ class LLMEngine:
                 self._fail([seq], [], error, "processing an output token")
                 continue
             if reason is not None:
-                self._outbox.append(self._end(seq, *reason))
+                self._queue_output(self._end(seq, *reason))
             elif seq.request_id in self._streamed:
                 self._outbox.append(self._partial_output(seq))
 
@@ -429,16 +429,18 @@ class LLMEngine:
         return None
 
     # -- ending requests ----------------------------------------------------
-    def _end(self, seq: Sequence, reason: str, stop_reason=None) -> RequestOutput:
-        """Finish ``seq`` (releasing its blocks) and return its final output."""
+    def _end(self, seq: Sequence, reason: str, stop_reason=None) -> RequestOutput | None:
+        """Finish ``seq`` (releasing its blocks) and return its final output; None if waiting for
+        its compaction ended it with an error instead (that output is already queued)."""
         compressions = self.compressions
         if compressions is not None and compressions.is_compressing(seq):
             if seq in {task.seq for task in compressions.in_flight}:
                 self._poll_compressions(wait=True)  # its blocks are being compacted: let that finish
             else:  # planned, never launched (the step failed before): nothing reads its blocks
                 compressions.abandon([task for task in compressions.planned if task.seq is seq])
-        if not seq.is_finished:  # (a failed poll above may have ended it)
-            self.scheduler.finish(seq, reason, stop_reason)
+        if seq.is_finished:  # a failed poll above ended it
+            return None
+        self.scheduler.finish(seq, reason, stop_reason)
         return self._output(seq)
 
     def _fail(self, seqs: list[Sequence], cache_entries: list, error: BaseException, what: str) -> None:
@@ -452,7 +454,7 @@ class LLMEngine:
         for seq in failed:
             seq.error = message
             if not seq.is_finished:
-                self._outbox.append(self._end(seq, "error"))
+                self._queue_output(self._end(seq, "error"))
         self.stats.num_failed_requests += len(failed)
 
     def _forget_released(self) -> None:
@@ -460,6 +462,10 @@ class LLMEngine:
         released = self.scheduler.take_released()
         if released:
             self.runner.forget(released)
+
+    def _queue_output(self, output: RequestOutput | None) -> None:
+        if output is not None:
+            self._outbox.append(output)
 
     def _take_outputs(self) -> list[RequestOutput]:
         outputs, self._outbox = self._outbox, []
