@@ -63,7 +63,7 @@ class EngineStats:
 
 
 @dataclass
-class LaunchedStep:
+class InFlightStep:
     """A step on the device whose tokens are not read yet (asynchronous scheduling)."""
 
     handle: object  # the runner's
@@ -103,7 +103,7 @@ class LLMEngine:
                                  and getattr(self.runner, "supports_async_scheduling", False))
         # Asynchronous scheduling launches a step before the last one's tokens are read.
         self._run = self._run_ahead if self.async_scheduling else self._run_in_step
-        self._launched: LaunchedStep | None = None  # asynchronous scheduling: the step in flight
+        self._launched: InFlightStep | None = None  # asynchronous scheduling: the step in flight
         self._wait_for_launched = False  # the next schedule needs its tokens (see _count_launched)
         self._waited_s = 0.0
         self._outbox: list[RequestOutput] = []  # outputs made outside a step's own flow (failures)
@@ -323,7 +323,7 @@ class LLMEngine:
             if previous is not None:  # a request this schedule preempted may hold a token of it, and be
                 self._collect_launched()  # readmitted (prefilled from all its tokens) by the next schedule
             return 0.0
-        self._launched = LaunchedStep(handle, batch.seqs, batch.cache_entries)
+        self._launched = InFlightStep(handle, batch.seqs, batch.cache_entries)
         self._count_launched(batch, stats)
         if async_callback is not None:
             async_callback()
@@ -363,7 +363,7 @@ class LLMEngine:
         launched, self._launched = self._launched, None
         self._collect(launched)
 
-    def _collect(self, launched: LaunchedStep, next_step: LaunchedStep | None = None) -> None:
+    def _collect(self, launched: InFlightStep, next_step: InFlightStep | None = None) -> None:
         """Read a launched step's tokens (waiting for the device) and hand them to their requests.
 
         If that fails, its requests end (their KV is in doubt), and so do the requests of
