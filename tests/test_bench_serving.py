@@ -86,18 +86,31 @@ def test_standard_workload_served_and_offline_see_the_same_requests(tmp_path):
 
 
 def test_standard_workload_with_a_simulated_step(tmp_path):
+    """Every side runs the same requests to their lengths; the streamed offline run counts its
+    tokens from per-step outputs."""
     code = cli_main(["bench", "serve", "--shape", "tiny", *WORKLOAD, "--modes", "zipage", "--simulated-step",
-                     "--step-model", "1,0,0,1,0", "--out", str(tmp_path)])
+                     "--step-model", "1,0,0,1,0", "--sides", "online,offline-streamed,offline",
+                     "--out", str(tmp_path)])
     assert code == 0
     run = json.loads((tmp_path / "serving.json").read_text())["modes"]["zipage"]
     assert run["online"]["modelled_ms_per_step"] > 0 and run["offline"]["engine_steps"] > 0
-    assert run["online"]["request_lengths"] == run["offline"]["request_lengths"]
+    lengths = run["online"]["request_lengths"]
+    assert lengths == run["offline"]["request_lengths"] == run["offline-streamed"]["request_lengths"]
+    assert all(n > 0 for _, n in lengths)
+    for side in ("online", "offline", "offline-streamed"):
+        assert run[side]["host_ms_per_step"] > 0
+        gaps = run[side]["step_gaps"]
+        assert gaps["num_steps"] == len(gaps["timeline"]) == run[side]["engine_steps"]
+        assert 0 < gaps["p50_ms"] <= gaps["p99_ms"] <= gaps["max_ms"]
+
+
 
 
 @pytest.mark.parametrize("extra, words", [
     (["--input-len", "8"], "drop ['--input-len']"),
     (["--rates", "1,inf"], "--workload runs one rate"),
     (["--url", "http://127.0.0.1:1"], "drop ['--url']"),
+    (["--sides", "online,offlne"], "--sides 'online,offlne': each must be one of online, offline, offline-streamed"),
 ])
 def test_standard_workload_rejects_options_it_sets_itself(extra, words, capsys):
     assert cli_main(["bench", "serve", "--shape", "tiny", *WORKLOAD, *extra]) == 2

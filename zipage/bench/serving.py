@@ -98,6 +98,10 @@ def add_serving_parser(sub) -> None:
     standard.add_argument("--kv-cache-tokens", type=int, default=None, help="as bench throughput")
     standard.add_argument("--whole-gpu", action="store_true", help="as bench throughput")
     standard.add_argument("--samples-per-prompt", type=int, default=1)
+    standard.add_argument("--sides", default="online,offline",
+                          help=f"which runs of each mode, comma-separated from {','.join(SIDES)} (offline-streamed: "
+                               "offline with every request streamed, so that the engine detokenizes and emits "
+                               "every step's tokens as the server's does)")
     p.add_argument("--out", default=None, help="directory for serving.json")
     add_engine_args(p)
     # Their defaults depend on --workload (RANDOM_DEFAULTS without it, the scale's with it).
@@ -313,6 +317,17 @@ def run_random_bench(args: argparse.Namespace) -> int:
 
 
 # -- a standard workload, online against offline ------------------------------------------------
+SIDES = ("online", "offline", "offline-streamed")
+
+
+def _sides(text: str) -> list[str]:
+    sides = [side.strip() for side in text.split(",") if side.strip()]
+    bad = [side for side in sides if side not in SIDES]
+    if bad or not sides:
+        raise ValueError(f"--sides {text!r}: each must be one of {', '.join(SIDES)}")
+    return list(dict.fromkeys(sides))
+
+
 def _workload_args(args: argparse.Namespace) -> argparse.Namespace:
     """``bench throughput``'s options for this run: its defaults, with what this command was given."""
     from zipage.bench.throughput import workload_defaults
@@ -349,6 +364,7 @@ def run_workload_bench(args: argparse.Namespace) -> int:
 
     rates = _rates(args.rates or "inf")
     _check_workload_options(args, rates)
+    sides = _sides(args.sides)
     wargs = _workload_args(args)
     settings, model_dir, load_format, requests, cache_tokens, modes = prepare_workload(wargs)
     step_model = parse_step_model(args.step_model) if args.simulated_step else None
@@ -356,8 +372,8 @@ def run_workload_bench(args: argparse.Namespace) -> int:
     results = {}
     with client_pool() as clients:
         for mode in modes:
-            results[mode] = run.mode(mode, clients)
-    _print_workload_table(results)
+            results[mode] = run.mode(mode, clients, sides)
+    _print_workload_table(results, sides)
     ratios = _mode_ratios(results)
     if ratios:
         print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
@@ -371,7 +387,7 @@ def run_workload_bench(args: argparse.Namespace) -> int:
               "modes": results, "ratios": ratios}
     if args.out:
         write_json(os.path.join(args.out, "serving.json"), result)
-    return 0 if all(r[side]["failed"] == 0 for r in results.values() for side in ("online", "offline")) else 1
+    return 0 if all(r[side]["failed"] == 0 for r in results.values() for side in sides) else 1
 
 
 def _mode_ratios(results: dict) -> dict:
@@ -379,7 +395,7 @@ def _mode_ratios(results: dict) -> dict:
     full = next((m for m in results if m.split("+")[0] == "full"), None)
     return {f"{m}_over_{full}_{side}": results[m][side]["output_tokens_per_s"] / results[full][side][
             "output_tokens_per_s"] for m in results if full and m.split("+")[0] == "zipage"
-            for side in ("online", "offline")}
+            for side in SIDES if side in results[m]}
 
 
 class _WorkloadRun:
@@ -399,19 +415,24 @@ class _WorkloadRun:
                     simulated_step=self.step_model, timeout=self.args.timeout,
                     **{k: getattr(self.args, k) for k in ("stream_interval", "switch_interval")})
 
-    def mode(self, mode: str, clients) -> dict:
+    def mode(self, mode: str, clients, sides=("online", "offline")) -> dict:
+        """``mode``'s runs, each on a fresh engine: ``online`` through the server, ``offline`` as
+        ``LLM.generate`` steps it, ``offline-streamed`` offline with every request streamed."""
         from zipage.bench.throughput import free_device_memory
 
-        print(f"  {mode}: through the server ...", flush=True)
-        online, opts = self._online(mode, clients)
-        free_device_memory()
-        print(f"  {mode}: offline ...", flush=True)
-        offline = self._offline(mode)
-        free_device_memory()
-        ratio = online["output_tokens_per_s"] / offline["output_tokens_per_s"]
-        print(f"  {mode}: {online['output_tokens_per_s']:,.0f} tokens/s online, "
-              f"{offline['output_tokens_per_s']:,.0f} offline ({ratio:.2f})", flush=True)
-        return dict(options=opts, online=online, offline=offline, online_over_offline=ratio)
+        result = {}
+        for side in sides:
+            print(f"  {mode}: {'through the server' if side == 'online' else side} ...", flush=True)
+            if side == "online":
+                result[side], result["options"] = self._online(mode, clients)
+            else:
+                result[side], result["options"] = self._offline(mode, stream=side == "offline-streamed")
+            free_device_memory()
+            print(f"  {mode}: {result[side]['output_tokens_per_s']:,.0f} tokens/s {side}", flush=True)
+        if "online" in result and "offline" in result:
+            result["online_over_offline"] = (result["online"]["output_tokens_per_s"]
+                                             / result["offline"]["output_tokens_per_s"])
+        return result
 
     def _engine(self, mode: str):
         """A fresh engine of ``mode``, warmed up as bench throughput's."""
@@ -438,21 +459,23 @@ class _WorkloadRun:
                 _warm_clients(clients, server.url, BENCH_MODEL, self.headers)
                 bodies = [stream_body(BENCH_MODEL, r.prompt, p) for r, p in zip(self.requests, self.params)]
                 at = arrivals(self.rate, len(bodies), np.random.default_rng(self.wargs.seed))
-                steps, modelled = engine.stats.num_steps, _runner_clock_ms(engine)
+                steps, host_s, modelled = engine.stats.num_steps, engine.stats.host_s, _runner_clock_ms(engine)
                 row = clients.submit(run_rate_sync, server.url, bodies, at, self.args.timeout,
                                      self.headers).result()
                 row["engine_steps"] = engine.stats.num_steps - steps
                 row["engine_steps_per_s"] = row["engine_steps"] / row["duration_s"]
+                row["host_ms_per_step"] = 1000 * (engine.stats.host_s - host_s) / max(row["engine_steps"], 1)
+                row["step_gaps"] = step_gaps(engine, row["engine_steps"])
                 if modelled is not None:
                     row["modelled_ms_per_step"] = (_runner_clock_ms(engine) - modelled) / max(row["engine_steps"], 1)
         finally:
             engine.close()
         return row, opts
 
-    def _offline(self, mode: str) -> dict:
-        engine, _ = self._engine(mode)
+    def _offline(self, mode: str, stream: bool = False) -> tuple[dict, dict]:
+        engine, opts = self._engine(mode)
         try:
-            return _off_main_thread(offline_run, engine, self.requests, self.params)
+            return _off_main_thread(offline_run, engine, self.requests, self.params, stream), opts
         finally:
             engine.close()
 
@@ -465,38 +488,63 @@ def _off_main_thread(fn, *args):
         return thread.submit(fn, *args).result()
 
 
-def offline_run(engine, requests, params) -> dict:
-    """Step the engine in a loop over ``requests`` (as ``LLM.generate``); tokens/s and each request's lengths."""
-    index = {engine.add_request(r.prompt, p): i for i, (r, p) in enumerate(zip(requests, params))}
-    lengths: list = [[None, 0]] * len(requests)
-    failed, steps = 0, engine.stats.num_steps
+def offline_run(engine, requests, params, stream: bool = False) -> dict:
+    """Step the engine in a loop over ``requests`` (as ``LLM.generate``, or with every request
+    streamed); tokens/s and each request's lengths."""
+    index = {engine.add_request(r.prompt, p, stream=stream): i for i, (r, p) in enumerate(zip(requests, params))}
+    lengths: list = [[len(r.prompt), 0] for r in requests]
+    failed, steps, host_s = 0, engine.stats.num_steps, engine.stats.host_s
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for output in engine.step()[0]:
-            lengths[index[output.request_id]] = [len(output.prompt_token_ids), len(output.outputs[0].token_ids)]
-            failed += output.outputs[0].finish_reason == "error"
+            lengths[index[output.request_id]][1] += len(output.outputs[0].token_ids) if stream else 0
+            if output.finished:
+                if not stream:
+                    lengths[index[output.request_id]][1] = len(output.outputs[0].token_ids)
+                failed += output.outputs[0].finish_reason == "error"
     duration = time.perf_counter() - start
     tokens = sum(n for _, n in lengths)
     steps = engine.stats.num_steps - steps
     return dict(num_requests=len(requests), completed=len(requests) - failed, failed=failed, duration_s=duration,
                 requests_per_s=(len(requests) - failed) / duration, output_tokens=tokens,
                 output_tokens_per_s=tokens / duration, engine_steps=steps, engine_steps_per_s=steps / duration,
-                request_lengths=lengths)
+                host_ms_per_step=1000 * (engine.stats.host_s - host_s) / max(steps, 1),
+                step_gaps=step_gaps(engine, steps), request_lengths=lengths)
 
 
-def _print_workload_table(results: dict) -> None:
+def step_gaps(engine, num_steps: int) -> dict:
+    """The times between the last ``num_steps`` steps' ends (ms): median, p99, max, and the seconds
+    by which gaps longer than twice the median exceeded it (stalls)."""
+    steps = list(engine.stats.occupancy)[-num_steps:]
+    times = np.array([t for t, _, _ in steps])
+    gaps = np.diff(times) * 1000
+    if len(gaps) == 0:
+        return {}
+    median = float(np.median(gaps))
+    long = gaps[gaps > 2 * median]
+    return dict(p50_ms=median, p99_ms=float(np.percentile(gaps, 99)), max_ms=float(gaps.max()),
+                num_steps=len(gaps) + 1, stall_s=float((long - median).sum()) / 1000, num_stalls=int(len(long)),
+                timeline=[[round(t - times[0], 4), running] for t, _, running in steps])
+
+
+def _print_workload_table(results: dict, sides=("online", "offline")) -> None:
+    rows = []
+    for mode, r in results.items():
+        row = {"mode": mode}
+        for side in sides:
+            row[f"{side}_tok/s"] = r[side]["output_tokens_per_s"]
+        if "online_over_offline" in r:
+            row["online/offline"] = r["online_over_offline"]
+        if "online" in sides:
+            row.update({f"{name}_{q}_ms": _ms_value(r["online"][f"{name}_s"][q])
+                        for name in ("ttft", "itl") for q in ("p50", "p99")})
+        for side in sides:
+            row[f"steps/s_{side}"] = r[side]["engine_steps_per_s"]
+            row[f"host_ms/step_{side}"] = r[side]["host_ms_per_step"]
+        row["failed"] = sum(r[side]["failed"] for side in sides)
+        rows.append(row)
     print()
-    print_table([{"mode": mode, "online_tok/s": r["online"]["output_tokens_per_s"],
-                  "offline_tok/s": r["offline"]["output_tokens_per_s"], "online/offline": r["online_over_offline"],
-                  "ttft_p50_ms": _ms_value(r["online"]["ttft_s"]["p50"]),
-                  "ttft_p99_ms": _ms_value(r["online"]["ttft_s"]["p99"]),
-                  "itl_p50_ms": _ms_value(r["online"]["itl_s"]["p50"]),
-                  "itl_p99_ms": _ms_value(r["online"]["itl_s"]["p99"]),
-                  "steps/s_online": r["online"]["engine_steps_per_s"],
-                  "steps/s_offline": r["offline"]["engine_steps_per_s"],
-                  "failed": r["online"]["failed"] + r["offline"]["failed"]} for mode, r in results.items()],
-                ["mode", "online_tok/s", "offline_tok/s", "online/offline", "ttft_p50_ms", "ttft_p99_ms",
-                 "itl_p50_ms", "itl_p99_ms", "steps/s_online", "steps/s_offline", "failed"])
+    print_table(rows, list(rows[0]) if rows else [])
 
 
 # -- servers and engines -----------------------------------------------------------------------
@@ -549,8 +597,9 @@ def simulated_engine(model_dir: str, kwargs: dict, step_model: dict, tensor_para
     from zipage.engine.llm_engine import LLMEngine
 
     config = EngineConfig.from_kwargs(model_dir, **dict(kwargs, device="cpu", load_format="auto"))
-    runner = SimulatedRunner(config, rank_spec(model_dir, tensor_parallel_size), step_model, sleep=True,
-                             token_range=token_range)
+    spec = rank_spec(model_dir, tensor_parallel_size)
+    config.resolve(spec.max_position)  # the defaults the engine fills from the model; the runner sizes its cache by them
+    runner = SimulatedRunner(config, spec, step_model, sleep=True, token_range=token_range)
     return LLMEngine(config, runner=runner)
 
 

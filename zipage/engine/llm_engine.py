@@ -58,6 +58,7 @@ class EngineStats:
     num_compressions: int = 0
     compression_s: float = 0.0
     num_failed_requests: int = 0  # ended with finish_reason "error"
+    host_s: float = 0.0  # the steps' host time (``StepStats.host_s``), summed
     # the last OCCUPANCY_STEPS steps: (seconds since start, blocks in use, running requests)
     occupancy: deque = field(default_factory=lambda: deque(maxlen=OCCUPANCY_STEPS))
 
@@ -476,6 +477,7 @@ class LLMEngine:
         es.num_steps += 1
         es.num_compressions += step.num_compressed
         es.compression_s += step.compression_s
+        es.host_s += step.host_s
         es.peak_running = max(es.peak_running, step.num_running)
         es.occupancy.append((time.perf_counter() - self._start_time, bm.num_blocks - bm.num_free_blocks,
                              step.num_running))

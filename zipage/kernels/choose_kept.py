@@ -39,7 +39,8 @@ CHOOSE_ELEMENTS_PER_WARP = 512
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=[
+        "n_max", "block_table_stride", "lengths_stride", "num_previous_stride", "pool_stride", "sinks_stride"])
     def _choose_kept_kernel(
         attention_ptr,
         rsum_ptr,

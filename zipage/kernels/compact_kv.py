@@ -51,7 +51,7 @@ SINGLE_PASS_NUM_WARPS = 8
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["block_table_stride", "active_stride", "kept_stride_req"])
     def _gather_kept_kernel(
         kv_ptr,
         score_ptr,
@@ -138,7 +138,7 @@ if triton is not None:
             score_row = ((req.to(tl.int64) * num_layers + layer) * num_kv_heads + kv_head) * keep + tokens
             tl.store(score_scratch_ptr + score_row, scores, mask=token_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["target_table_stride", "active_stride", "new_scores_stride_req"])
     def _scatter_kept_kernel(
         kv_ptr,
         score_ptr,
@@ -224,7 +224,8 @@ if triton is not None:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=[
+        "block_table_stride", "target_table_stride", "active_stride", "kept_stride_req", "new_scores_stride_req"])
     def _compact_single_pass_kernel(
         kv_ptr,
         score_ptr,

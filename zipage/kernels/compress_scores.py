@@ -127,7 +127,7 @@ if triton is not None:
         k = tl.load(k_ptr + offsets[:, None] + dims[None, :], mask=in_context[:, None], other=0.0)
         return k, positions, in_context
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits", "block_table_stride", "lengths_stride", "q_stride_req"])
     def _window_lse_kernel(
         q_ptr,
         k_ptr,
@@ -206,7 +206,7 @@ if triton is not None:
         tl.store(partial_max_ptr + partial * ROWS + rows, row_max)
         tl.store(partial_sum_ptr + partial * ROWS + rows, row_sum)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_max", "num_splits", "block_table_stride", "lengths_stride", "q_stride_req"])
     def _window_attention_kernel(
         q_ptr,
         k_ptr,
@@ -293,7 +293,7 @@ if triton is not None:
 
         tl.store(out_ptr + out_offsets, total / window, mask=out_positions < n_max)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_max", "block_table_stride", "lengths_stride"])
     def _redundancy_kernel(
         k_ptr,
         block_tables_ptr,

@@ -49,7 +49,7 @@ _LOG2_E = 1.4426950408889634
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["block_table_stride", "num_splits"])
     def _decode_split_kernel(
         q_ptr,
         k_cache_ptr,
@@ -155,7 +155,7 @@ if triton is not None:
             )
             tl.store(partial_lse_ptr + partial_rows, row_max + tl.log2(safe_sum), mask=row_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _decode_merge_kernel(
         partial_out_ptr,
         partial_lse_ptr,

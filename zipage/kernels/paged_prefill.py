@@ -84,7 +84,7 @@ if triton is not None:
         acc = tl.dot(probs.to(v.dtype), v, acc * correction[:, None], input_precision=DOT_PRECISION)
         return new_max, row_sum, acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["block_table_stride"])
     def _prefill_kernel(
         q_ptr,
         k_cache_ptr,
