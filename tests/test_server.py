@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import struct
 import sys
 import time
 
@@ -202,7 +205,11 @@ def test_chat_streamed_text_equals_non_streamed(served):
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
-    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+    # The same prompt again: its whole blocks (16 tokens each) come from the prefix cache.
+    usage, first = chunks[-1].usage, full.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (first.prompt_tokens, first.completion_tokens)
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert usage.prompt_tokens_details.cached_tokens == first.prompt_tokens // 16 * 16 > 0
     # Without include_usage there is no usage chunk; text parts count as the string they join to.
     parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
              messages[1]]
@@ -306,11 +313,19 @@ def test_clients_disconnecting_mid_stream_free_their_blocks(served):
         stream.close()
     wait_until_idle(served)
     assert metrics(served)["zipage_requests_finished_total|abort"] - aborted_before == 8
-    # A non-streaming request whose client leaves is aborted too.
-    with pytest.raises(openai.APITimeoutError):
-        served.client.with_options(timeout=0.5).completions.create(
-            model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_MODEL_LEN, n=4, temperature=0,
-            extra_body={"ignore_eos": True})
+    generated_before = metrics(served)["zipage_generation_tokens_total"]
+    # A non-streaming request whose client leaves (its connection reset) is aborted too. (A client
+    # that only shuts down its sending side still gets its answer: tests/test_security.py.)
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_MODEL_LEN, "n": 4,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", served.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + TIMEOUT
+        while metrics(served).get("zipage_generation_tokens_total", 0) == generated_before:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
     wait_until_idle(served)
     assert metrics(served)["zipage_requests_finished_total|abort"] - aborted_before == 12
     assert served.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4).usage.completion_tokens
@@ -349,14 +364,14 @@ BAD_REQUESTS = [  # (path, body, status, param, words in the message)
     ("completions", {"model": MODEL, "prompt": []}, 400, "prompt", "prompt must be"),
     ("completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt", "prompt token ids must be in [0, "),
     ("completions", {"model": MODEL, "prompt": OVER_CONTEXT}, 400, "prompt",
-     f"prompt has {len(OVER_CONTEXT)} tokens; max_model_len={MAX_MODEL_LEN} allows at most {MAX_MODEL_LEN - 1}"),
+     f"prompt 0 has {len(OVER_CONTEXT)} tokens; at most {MAX_MODEL_LEN - 1} fit the context (max_model_len"),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least one message"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
      "messages.0.role", "'wizard'"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      400, "messages.0.content", "only text content"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x " * 3 * MAX_MODEL_LEN}]}, 400,
-     "messages", f"max_model_len={MAX_MODEL_LEN}"),
+     "messages", f"tokens; at most {MAX_MODEL_LEN - 1} fit the context (max_model_len"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400,
      "max_tokens", "got -1"),
 ]
@@ -412,8 +427,8 @@ def test_engine_failure_fails_the_requests_in_flight_and_the_server_recovers(ser
 
 
 # -- API key and overload ---------------------------------------------------------------------
-def test_api_key_is_checked_on_every_request(guarded):
-    for method, path in (("GET", "/v1/models"), ("GET", "/health"), ("GET", "/metrics"),
+def test_api_key_is_checked_on_every_request_but_health(guarded):
+    for method, path in (("GET", "/v1/models"), ("GET", "/metrics"),
                          ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
             response = httpx.request(method, guarded.url + path, headers=headers, json={}, timeout=TIMEOUT)
@@ -422,6 +437,7 @@ def test_api_key_is_checked_on_every_request(guarded):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=guarded.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(guarded.url + "/health", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    assert httpx.get(guarded.url + "/health").json() == {"status": "ok"}  # load balancers probe without the key
     out = guarded.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=8)
     assert out.choices[0].message.content is not None
@@ -457,30 +473,31 @@ def test_overload_gets_503_with_retry_after_and_the_engine_survives(guarded):
 
 # -- the command line -------------------------------------------------------------------------
 def test_serve_command_builds_the_server(model_dir, monkeypatch):
-    import uvicorn
-
+    import zipage.server.cli as serve_cli
     from zipage.cli import main as cli_main
 
     monkeypatch.setenv("ZIPAGE_API_KEY", "env-key")
     seen = {}
 
-    def fake_run(app, host, port, **kwargs):  # serve on a free port instead, and query it
-        seen.update(host=host, port=port)
-        with ServerThread(app) as server:
+    def fake_serve(config):  # serve on a free port instead, and query it
+        seen.update(host=config.host, port=config.port, keep_alive=config.timeout_keep_alive,
+                    max_connections=config.http.max_connections)
+        with ServerThread(config.app) as server:
             seen["switch_interval"] = sys.getswitchinterval()
             seen["no_key"] = httpx.get(server.url + "/v1/models", timeout=TIMEOUT).status_code
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="env-key", max_retries=0, timeout=TIMEOUT)
             seen["models"] = [m.id for m in client.models.list().data]
             seen["text"] = client.completions.create(model="served", prompt="hi", max_tokens=3).choices[0].text
 
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(serve_cli, "serve", fake_serve)
     before = sys.getswitchinterval()
     code = cli_main(["serve", model_dir, "--port", "8123", "--served-model-name", "served", "--device", "cpu",
                      "--block-size", "16", "--max-model-len", "128", "--max-num-seqs", "4",
-                     "--switch-interval", "0.00123"])
+                     "--switch-interval", "0.00123", "--keep-alive-timeout", "7", "--max-connections", "99"])
     assert code == 0
     assert seen["switch_interval"] == pytest.approx(0.00123) and sys.getswitchinterval() == before
     assert seen["host"] == "127.0.0.1" and seen["port"] == 8123
+    assert seen["keep_alive"] == 7 and seen["max_connections"] == 99
     assert seen["no_key"] == 401 and seen["models"] == ["served"] and isinstance(seen["text"], str)
     assert cli_main(["serve", model_dir, "--max-queued-requests", "-1"]) == 2
     assert cli_main(["serve", model_dir, "--switch-interval", "0"]) == 2

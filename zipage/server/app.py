@@ -13,37 +13,53 @@ import uuid
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from zipage.engine.llm_engine import LLMEngine
 from zipage.server.async_engine import AsyncEngine, EngineFailed, EngineOverloaded, Generation
+from zipage.server.connections import log_accept_errors_at_a_bounded_rate
 from zipage.server.metrics import ServerMetrics
-from zipage.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingRequest, parse_body
+from zipage.server.preprocess import Preprocessor
+from zipage.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, RequestLimits, SamplingRequest
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # the hint sent with 503 when the queue is full
 STREAM_INTERVAL_S = 0.02  # streamed tokens are sent in chunks at most this often (see AsyncEngine)
 SWITCH_INTERVAL_S = None  # the interpreter's switch interval while serving (see AsyncEngine)
+PREPROCESS_WORKERS = 2  # threads that parse, render chat templates and tokenize (see Preprocessor)
 
 
 def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                max_queued_requests: int = 1024, stream_interval: float = STREAM_INTERVAL_S,
-               switch_interval: float | None = SWITCH_INTERVAL_S) -> FastAPI:
+               switch_interval: float | None = SWITCH_INTERVAL_S, limits: RequestLimits | None = None,
+               preprocess_workers: int = PREPROCESS_WORKERS, trust_request_chat_template: bool = False,
+               escape_special_tokens: bool = True, metrics_need_key: bool = True) -> FastAPI:
     """An app serving ``engine`` as model ``model_name``; the engine thread runs while the app does.
 
-    Streams get their tokens at most every ``stream_interval`` seconds (first tokens and ends
-    at once); the interpreter's switch interval is ``switch_interval`` while the app runs;
-    see ``AsyncEngine``.
+    ``api_key``: every route but ``/health`` (and ``/metrics`` unless ``metrics_need_key``)
+    needs ``Authorization: Bearer <api_key>``. ``limits`` bound what one call may ask for
+    (``RequestLimits``); ``preprocess_workers``, ``trust_request_chat_template`` and
+    ``escape_special_tokens`` are the ``Preprocessor``'s. Streams get their tokens at most
+    every ``stream_interval`` seconds (first tokens and ends at once); the interpreter's
+    switch interval is ``switch_interval`` while the app runs; see ``AsyncEngine``.
     """
+    check_api_key_value(api_key)
     async_engine = AsyncEngine(engine, ServerMetrics(), max_queued_requests, stream_interval, switch_interval)
+    preprocessor = Preprocessor(engine.tokenizer, limits or RequestLimits(), engine.max_prompt_tokens,
+                                preprocess_workers, trust_request_chat_template, escape_special_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+        previous_handler = log_accept_errors_at_a_bounded_rate(loop)
         async_engine.start()
         try:
             yield
         finally:
             await async_engine.stop()
+            preprocessor.close()
+            loop.set_exception_handler(previous_handler)
 
     async def check_api_key(request: Request) -> None:
         if api_key is None:
@@ -53,60 +69,125 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    # No /docs: the endpoints parse their bodies themselves, and every route needs the key.
-    app = FastAPI(title="Zipage", lifespan=lifespan, dependencies=[Depends(check_api_key)], docs_url=None,
-                  redoc_url=None, openapi_url=None)
+    # No /docs: the endpoints parse their bodies themselves.
+    app = FastAPI(title="Zipage", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_InternalErrors)
     app.state.engine = async_engine
-    api = _Api(async_engine, model_name, int(time.time()))
+    app.state.preprocessor = preprocessor
+    api = _Api(async_engine, preprocessor, model_name, int(time.time()))
+    keyed = [Depends(check_api_key)]
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        return _error_response(error)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
-        return JSONResponse(ApiError(error.status_code, str(error.detail)).body(), status_code=error.status_code,
-                            headers=getattr(error, "headers", None))
+        return _error_response(ApiError(error.status_code, str(error.detail), headers=getattr(error, "headers", None)))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, error: Exception):
-        logger.exception("unhandled error")
-        return JSONResponse(ApiError(500, f"internal error: {type(error).__name__}: {error}",
-                                     type="server_error").body(), status_code=500)
-
-    @app.get("/health")
+    @app.get("/health")  # open: load balancers probe it without the key
     async def health():
         if not async_engine.alive:
             raise ApiError(503, "the engine is not running", type="server_error")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=keyed if metrics_need_key else [])
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
         return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models():
         return {"object": "list", "data": [api.model_card()]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(request: Request):
         return await api.completions(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(request: Request):
         return await api.chat_completions(request)
 
     return app
 
 
+def check_api_key_value(api_key: str | None) -> None:
+    """An API key must be visible ASCII: an empty one would silently turn authentication off."""
+    if api_key is None:
+        return
+    if not isinstance(api_key, str) or not api_key:
+        raise ValueError("the API key is empty: give a key, or none to serve without authentication")
+    if not all("!" <= c <= "~" for c in api_key):
+        raise ValueError("the API key must be printable ASCII without spaces (it travels in an HTTP header)")
+
+
+class _ErrorJSON(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error may quote any string a client sent."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return _ErrorJSON(error.body(), status_code=error.status, headers=error.headers)
+
+
+class _InternalErrors:
+    """Any exception that escapes a route: a 500 saying "internal error" and an id to find it in the
+    log by, never the exception's text (which may hold internals or a client's input)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracking(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception:  # noqa: BLE001 - every route's last resort
+            error_id = uuid.uuid4().hex[:16]
+            logger.exception("internal error %s on %s %s", error_id, scope.get("method"), scope.get("path"))
+            if started:  # a stream broke off: the connection closes without its end
+                return
+            response = _error_response(ApiError(500, f"internal error (id {error_id})", type="server_error",
+                                                headers={"X-Error-Id": error_id}))
+            await response(scope, receive, send)
+
+
+class _BodyBudget:
+    """Bytes of request bodies held at once (being read or parsed), across all calls (event loop)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+
+    def take(self, num_bytes: int) -> None:
+        if self.used + num_bytes > self.limit:
+            raise ApiError(503, f"the server holds {self.used} bytes of request bodies, the most it takes at once "
+                                f"(max_pending_body_bytes={self.limit}); retry later", type="server_error",
+                           code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+        self.used += num_bytes
+
+    def give_back(self, num_bytes: int) -> None:
+        self.used -= num_bytes
+
+
 class _Api:
     """The two generating endpoints: request -> engine requests -> JSON or server-sent events."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, created: int):
+    def __init__(self, engine: AsyncEngine, preprocessor: Preprocessor, model_name: str, created: int):
         self.engine = engine
+        self.pre = preprocessor
         self.model_name = model_name
         self.created = created
+        self.bodies = _BodyBudget(preprocessor.limits.max_pending_body_bytes)
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "zipage",
@@ -114,17 +195,51 @@ class _Api:
 
     def _check_model(self, body: SamplingRequest) -> None:
         if body.model != self.model_name:
-            raise ApiError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
+            raise ApiError(404, f"model {body.model!r:.80} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    async def _start(self, body: SamplingRequest, prompts: list, prompt_param: str, id_prefix: str,
-                     add_special_tokens: bool = True) -> tuple[str, Generation]:
-        params = body.sampling_params(len(prompts))
+    async def _parse(self, request: Request, model_class):
+        """Read the body (within its size, time and the server's budget) and parse it off the loop."""
+        limits = self.pre.limits
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+            raise _too_large(limits.max_body_bytes, int(declared))
+        chunks: list[bytes] = []
+        held = 0
+
+        async def read() -> None:
+            nonlocal held
+            async for chunk in request.stream():
+                if held + len(chunk) > limits.max_body_bytes:
+                    raise _too_large(limits.max_body_bytes)
+                self.bodies.take(len(chunk))
+                held += len(chunk)
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), limits.body_timeout_s)
+            raw = b"".join(chunks)
+            chunks.clear()
+            return await self.pre.run(self.pre.parse, raw, model_class)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
+                           code="request_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise ApiError(499, "the client closed the connection") from None
+        finally:
+            self.bodies.give_back(held)
+
+    async def _start(self, body: SamplingRequest, num_prompts: int, encode, prompt_param: str,
+                     id_prefix: str) -> tuple[str, Generation]:
+        """Admit the call's requests, tokenize its prompts (``encode()``, on a worker thread) and add them."""
+        params = body.sampling_params(num_prompts)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         request_ids = [f"{response_id}-{i}" for i in range(len(params))]
-        expanded = [p for p in prompts for _ in range(body.n)]
         try:
-            generation = await self.engine.generate(expanded, params, request_ids, add_special_tokens)
+            with self.engine.admit(len(params)) as admission:
+                prompts = await self.pre.run(encode)
+                expanded = [p for p in prompts for _ in range(body.n)]
+                generation = await self.engine.generate(expanded, params, request_ids, admission)
         except ValueError as error:
             raise ApiError(400, str(error), param=prompt_param) from None
         except EngineOverloaded as error:
@@ -136,15 +251,16 @@ class _Api:
 
     # -- completions ----------------------------------------------------------
     async def completions(self, request: Request):
-        body = parse_body(await request.body(), CompletionRequest)
+        body = await self._parse(request, CompletionRequest)
         self._check_model(body)
-        response_id, generation = await self._start(body, body.prompt, "prompt", "cmpl")
+        response_id, generation = await self._start(body, len(body.prompt),
+                                                    lambda: self.pre.encode_prompts(body.prompt), "prompt", "cmpl")
         if body.stream:
             return _sse(self._completion_events(body, response_id, generation), self.engine, generation)
 
         def choice(index, text, finish_reason):
             return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        choices, usage = await _collect(request, self.engine, generation, body.n, choice)
+        choices, usage = await _collect(request, self.engine, generation, body, choice)
         return {"id": response_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
 
@@ -158,7 +274,7 @@ class _Api:
         finish_reason)`` builds a choice of new text; ``opening(index)``, if given, a first one per
         choice; a final usage event when asked."""
         base = {"id": response_id, "object": kind, "created": int(time.time()), "model": self.model_name}
-        usage = _StreamUsage(body, generation)
+        usage = _Usage(body, generation)
         if opening is not None:
             yield [dict(base, choices=[opening(index)], **usage.field())
                    for index in range(len(generation.request_ids))]
@@ -166,7 +282,7 @@ class _Api:
             events = []
             for index, output in batch:
                 out = output.outputs[0]
-                usage.completion_tokens += len(out.token_ids)
+                usage.add(index, output)
                 if out.text or output.finished or body.continuous_usage:
                     finish_reason = out.finish_reason if output.finished else None
                     events.append(dict(base, choices=[choice(index, out.text, finish_reason)], **usage.field()))
@@ -176,26 +292,20 @@ class _Api:
 
     # -- chat -------------------------------------------------------------------
     async def chat_completions(self, request: Request):
-        body = parse_body(await request.body(), ChatCompletionRequest)
+        body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body)
-        tokenizer = self.engine.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                 **(body.chat_template_kwargs or {}))
-        except Exception as error:  # noqa: BLE001 - a template may raise anything on odd input
-            raise ApiError(400, f"the chat template rejected the messages: {error}", param="messages") from None
-        response_id, generation = await self._start(body, [text], "messages", "chatcmpl",
-                                                    add_special_tokens=False)
+
+        def encode():
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            return [self.pre.encode_chat(messages, body.chat_template_kwargs)]
+        response_id, generation = await self._start(body, 1, encode, "messages", "chatcmpl")
         if body.stream:
             return _sse(self._chat_events(body, response_id, generation), self.engine, generation)
 
         def choice(index, text, finish_reason):
             return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
                     "finish_reason": finish_reason}
-        choices, usage = await _collect(request, self.engine, generation, body.n, choice)
+        choices, usage = await _collect(request, self.engine, generation, body, choice)
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
 
@@ -210,40 +320,52 @@ class _Api:
         return self._events(body, response_id, "chat.completion.chunk", generation, choice, opening)
 
 
-class _StreamUsage:
-    """Token counts of a stream: ``usage`` is null in each chunk when a final usage chunk is asked
-    for (as OpenAI does), the counts so far with ``continuous_usage_stats``, else absent."""
+def _too_large(limit: int, size: int | None = None) -> ApiError:
+    size_text = f"has {size} bytes" if size is not None else f"exceeds {limit} bytes"
+    return ApiError(413, f"the request body {size_text}; at most {limit} are allowed", code="request_too_large",
+                    headers={"Connection": "close"})
+
+
+class _Usage:
+    """Token counts of a call: each prompt once whatever ``n`` (its first choice's numbers), the
+    completion tokens of every choice, and the prompt tokens the prefix cache served."""
 
     def __init__(self, body: SamplingRequest, generation: Generation):
         self.body, self.generation = body, generation
         self.completion_tokens = 0
+        self._metrics: dict[int, object] = {}  # first choice of each prompt -> its engine metrics
+
+    def add(self, index: int, output) -> None:
+        self.completion_tokens += len(output.outputs[0].token_ids)
+        if index % self.body.n == 0 and output.metrics is not None:
+            self._metrics[index] = output.metrics
 
     def total(self) -> dict:
-        return _usage(self.generation, self.body.n, self.completion_tokens)
+        prompt_tokens = sum(self.generation.num_prompt_tokens[::self.body.n])
+        cached = sum(m.num_cached_prompt_tokens for m in self._metrics.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def field(self) -> dict:
+        """A stream chunk's ``usage``: null when a final usage chunk is asked for (as OpenAI does),
+        the counts so far with ``continuous_usage_stats``, else absent."""
         if self.body.continuous_usage:
             return {"usage": self.total()}
         return {"usage": None} if self.body.include_usage else {}
 
 
-def _usage(generation: Generation, n: int, completion_tokens: int) -> dict:
-    prompt_tokens = sum(generation.num_prompt_tokens[::n])  # each prompt counts once, whatever n
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-async def _collect(request: Request, engine: AsyncEngine, generation: Generation, n: int, make_choice):
+async def _collect(request: Request, engine: AsyncEngine, generation: Generation, body: SamplingRequest,
+                   make_choice):
     """Wait for every choice (aborting them all if the client goes away); return (choices, usage)."""
     texts = [[] for _ in generation.request_ids]
     reasons: list[str | None] = [None] * len(texts)
-    completion_tokens = 0
+    usage = _Usage(body, generation)
 
     async def drain():
-        nonlocal completion_tokens
         async for index, output in generation:
             texts[index].append(output.outputs[0].text)
-            completion_tokens += len(output.outputs[0].token_ids)
+            usage.add(index, output)
             if output.finished:
                 reasons[index] = output.outputs[0].finish_reason
 
@@ -263,7 +385,7 @@ async def _collect(request: Request, engine: AsyncEngine, generation: Generation
         if generation.unfinished:
             engine.abort(generation.unfinished)
     choices = [make_choice(i, "".join(parts), reason) for i, (parts, reason) in enumerate(zip(texts, reasons))]
-    return choices, _usage(generation, n, completion_tokens)
+    return choices, usage.total()
 
 
 async def _client_gone(request: Request) -> None:

@@ -54,6 +54,7 @@ class Generation:
         self.index = {rid: i for i, rid in enumerate(request_ids)}
         self.unfinished = set(request_ids)
         self.num_prompt_tokens: list[int] = []  # per request, set once they are added
+        self.failed = False  # a request of it failed in the engine: the others were aborted
         self._ready: list = []  # outputs (or an error, last) delivered and not yet read
         self._wakeup: asyncio.Future | None = None
 
@@ -105,9 +106,10 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
 class AsyncEngine:
     """An ``LLMEngine`` stepped on its own thread, for many concurrent API calls.
 
-    ``max_queued_requests`` bounds the requests waiting beyond those the engine runs:
-    a call that finds the queue full (and every one of ``max_num_seqs`` places taken)
-    is refused with ``EngineOverloaded`` rather than queued.
+    ``max_queued_requests`` bounds the requests waiting beyond the ``max_num_seqs`` the
+    engine runs: a call is admitted (``admit``) only if every engine request it would add
+    (prompts x choices) fits, else it is refused whole with ``EngineOverloaded``. Admitted
+    calls count from admission, while their prompts are still being tokenized.
 
     Outputs are handed to the event loop at most every ``stream_interval`` seconds (a
     request's first token, its end, and the engine going idle at once), merged per request.
@@ -156,6 +158,9 @@ class AsyncEngine:
         self._saved_switch_interval: float | None = None
         self._timing: dict[str, list] = {}  # engine thread: request id -> [arrival, last token time]
         self._generations: dict[str, Generation] = {}  # event loop: request id -> its API call
+        self._admitted = 0  # event loop: engine requests of admitted calls not yet added
+        # Every request the engine runs or queues, and those admitted: past this, calls are refused.
+        self.capacity = engine.config.scheduler.max_num_seqs + max_queued_requests
         self.num_running = 0  # published by the engine thread after every step
         bm = engine.block_manager
         self.metrics.kv_blocks_total.set(bm.num_blocks)
@@ -201,19 +206,30 @@ class AsyncEngine:
         """``call`` from a thread other than the event loop's (tests, tools): block for the result."""
         return asyncio.run_coroutine_threadsafe(self.call(fn), self._loop).result(timeout)
 
-    async def generate(self, prompts: list, params: list[SamplingParams], request_ids: list[str],
-                       add_special_tokens: bool = True) -> Generation:
-        """Add one request per prompt (all or none) and return their ``Generation``.
-
-        Raises ``ValueError`` for a bad prompt (nothing is added) and ``EngineOverloaded``
-        when the queue is full.
-        """
-        in_flight = len(self._generations)
-        waiting = in_flight - self.num_running
-        if waiting >= self.max_queued_requests and in_flight >= self.engine.config.scheduler.max_num_seqs:
+    def admit(self, num_requests: int) -> Admission:
+        """Hold places for a call's ``num_requests`` engine requests until ``generate`` adds them
+        (or the returned ``Admission`` is closed); ``EngineOverloaded`` if they do not all fit."""
+        held = len(self._generations) + self._admitted
+        if held + num_requests > self.capacity:
             self.metrics.rejected.inc()
-            raise EngineOverloaded(f"{waiting} requests are waiting, the most allowed "
-                                   f"(max_queued_requests={self.max_queued_requests})")
+            raise EngineOverloaded(
+                f"the call adds {num_requests} request(s) to {held} running or queued; the server holds at most "
+                f"{self.capacity} (max_num_seqs={self.engine.config.scheduler.max_num_seqs} + "
+                f"max_queued_requests={self.max_queued_requests})")
+        self._admitted += num_requests
+        return Admission(self, num_requests)
+
+    async def generate(self, prompts: list, params: list[SamplingParams], request_ids: list[str],
+                       admission: Admission | None = None) -> Generation:
+        """Add one request per prompt (token ids; all or none) and return their ``Generation``.
+
+        The call must be admitted (``admit``, or ``admission`` None: admitted here). Raises
+        ``ValueError`` for a bad prompt (nothing is added) and ``EngineOverloaded`` when the
+        queue is full.
+        """
+        if admission is None:
+            admission = self.admit(len(request_ids))
+        admission.close()  # its places pass to the requests, counted below from now on
         generation = Generation(request_ids)
         for rid in request_ids:  # before they are added, so that no output is missed
             self._generations[rid] = generation
@@ -221,11 +237,7 @@ class AsyncEngine:
 
         def add():
             engine = self.engine
-            seqs = []
-            for prompt, sp, rid in zip(prompts, params, request_ids):
-                if isinstance(prompt, str) and not add_special_tokens and engine.tokenizer is not None:
-                    prompt = engine.tokenizer.encode(prompt, add_special_tokens=False)
-                seqs.append(engine.prepare_request(prompt, sp, rid))
+            seqs = [engine.prepare_request(prompt, sp, rid) for prompt, sp, rid in zip(prompts, params, request_ids)]
             for seq in seqs:
                 engine.add_sequence(seq, stream=True)
                 self._timing[seq.request_id] = [arrival, None]
@@ -243,7 +255,8 @@ class AsyncEngine:
         return generation
 
     def abort(self, request_ids) -> None:
-        """Abort requests (finished or unknown ones are skipped); their blocks are freed before the next step."""
+        """Abort requests (finished or unknown ones are skipped); their blocks are freed before the
+        next step. O(1) per request here and on the engine thread."""
         request_ids = list(request_ids)
         for rid in request_ids:
             self._generations.pop(rid, None)
@@ -277,11 +290,13 @@ class AsyncEngine:
                 del self._generations[output.request_id]
 
     def _fail_generation(self, generation: Generation, request_id: str) -> None:
-        """End an API call whose request ``request_id`` failed in the engine; abort its others."""
-        others = [rid for rid in generation.request_ids
-                  if rid != request_id and self._generations.get(rid) is generation]
+        """End an API call whose request ``request_id`` failed in the engine; abort its others
+        (once: a step that fails all of a call's requests costs O(1) per request)."""
         self._generations.pop(request_id, None)
-        self.abort(others)
+        if generation.failed:
+            return
+        generation.failed = True
+        self.abort([rid for rid in generation.request_ids if self._generations.get(rid) is generation])
         generation.put(RequestFailed(f"internal error (request {request_id})"))
 
     def _fail_all(self, error: Exception) -> None:
@@ -404,6 +419,24 @@ class AsyncEngine:
         m.kv_blocks_used.set(used)
         m.kv_usage.set(used / bm.num_blocks)
         return urgent
+
+
+class Admission:
+    """Places held in an ``AsyncEngine``'s queue for a call's requests until ``generate`` adds
+    them; closing it (or leaving its ``with`` block) gives back what was not used."""
+
+    def __init__(self, engine: AsyncEngine, num_requests: int):
+        self.engine, self.num_requests = engine, num_requests
+
+    def close(self) -> None:
+        self.engine._admitted -= self.num_requests
+        self.num_requests = 0
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _resolve(future: asyncio.Future, result, error: Exception | None) -> None:

@@ -6,14 +6,18 @@ import socket
 import threading
 import time
 
+from zipage.server.connections import ConnectionLimits, uvicorn_config
+
 
 class ServerThread:
-    """Serve ``app`` with uvicorn on ``host`` (port 0: a free one) until ``stop``.
+    """Serve ``app`` with uvicorn on ``host`` (port 0: a free one) until ``stop``, with the
+    connection handling of ``zipage serve`` (``limits``: its defaults if None).
 
     The socket is bound before the thread starts, so ``url`` is known and free of races.
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 60.0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 60.0,
+                 limits: ConnectionLimits | None = None):
         import uvicorn
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -21,7 +25,7 @@ class ServerThread:
         self.sock.bind((host, port))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn_config(app, limits, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="zipage-server", daemon=True)

@@ -10,6 +10,9 @@ API_KEY_ENV = "ZIPAGE_API_KEY"
 
 def add_serve_parser(sub) -> None:
     from zipage.cli import add_engine_args
+    from zipage.server.app import PREPROCESS_WORKERS
+    from zipage.server.connections import ConnectionLimits
+    from zipage.server.protocol import RequestLimits
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model", metavar="MODEL_DIR", help="local HuggingFace checkpoint directory")
@@ -18,7 +21,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the directory's name)")
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on every request (default: ${API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV}); "
+                        "an empty key is an error")
+    p.add_argument("--unauthenticated-metrics", action="store_true",
+                   help="serve /metrics without the API key (for a scraper that cannot send it)")
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests that may wait for the engine; past this, 503 with Retry-After")
     p.add_argument("--stream-interval", type=float, default=None,
@@ -29,12 +35,86 @@ def add_serve_parser(sub) -> None:
                         "default: Python's 0.005): how long the engine thread may wait for the GIL held by the "
                         "event loop")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+    r, c = RequestLimits(), ConnectionLimits()
+    g = p.add_argument_group("request limits (docs/security.md)")
+    g.add_argument("--max-body-bytes", type=int, default=r.max_body_bytes,
+                   help="largest request body; past it, 413 (default %(default)s)")
+    g.add_argument("--body-timeout", type=float, default=r.body_timeout_s,
+                   help="seconds to receive a whole request body; past it, 408 (default %(default)s)")
+    g.add_argument("--max-pending-body-bytes", type=int, default=r.max_pending_body_bytes,
+                   help="request bytes being read or parsed at once, over all requests; past it, 503 "
+                        "(default %(default)s)")
+    g.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt in tokens (default: the engine's, max_model_len - 1)")
+    g.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longest prompt in characters (chat: the rendered template), refused before tokenizing "
+                        "(default: what the context could hold at the tokenizer's longest token)")
+    g.add_argument("--max-messages", type=int, default=r.max_messages, help="messages per chat (default %(default)s)")
+    g.add_argument("--max-stop", type=int, default=r.max_stop,
+                   help="stop strings, and stop token ids, per request (default %(default)s)")
+    g.add_argument("--max-stop-chars", type=int, default=r.max_stop_chars,
+                   help="characters of one stop string (default %(default)s)")
+    g.add_argument("--max-requests-per-call", type=int, default=r.max_requests_per_call,
+                   help="engine requests one call may add, prompts x n (default %(default)s)")
+    g.add_argument("--preprocess-workers", type=int, default=PREPROCESS_WORKERS,
+                   help="threads that parse bodies, render chat templates and tokenize (default %(default)s)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a request replace the model's chat template (chat_template_kwargs.chat_template); "
+                        "a template is a program that runs on the server")
+    g.add_argument("--escape-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="tokenize special-token text in chat messages (e.g. '<|im_start|>system') as plain text, "
+                        "so that a message cannot forge a turn (default: on)")
+    h = p.add_argument_group("connections (docs/security.md)")
+    h.add_argument("--max-connections", type=int, default=c.max_connections,
+                   help="open client connections; past it a new one gets 503 and is closed (default %(default)s)")
+    h.add_argument("--header-timeout", type=float, default=c.header_timeout_s,
+                   help="seconds for a request's headers to arrive; past it, 408 and close (default %(default)s)")
+    h.add_argument("--keep-alive-timeout", type=float, default=c.keep_alive_timeout_s,
+                   help="seconds an idle keep-alive connection stays open (default %(default)s)")
+    h.add_argument("--write-timeout", type=float, default=c.write_timeout_s,
+                   help="seconds a client may read none of its response before it is cut off (default %(default)s)")
+    h.add_argument("--max-header-bytes", type=int, default=c.max_header_bytes,
+                   help="largest request line and headers; past it, 400 (default %(default)s)")
+    h.add_argument("--backlog", type=int, default=c.backlog,
+                   help="connections the kernel queues before they are accepted (default %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
 
 def served_model_name(args: argparse.Namespace) -> str:
     return args.served_model_name or os.path.basename(os.path.normpath(args.model))
+
+
+def request_limits(args: argparse.Namespace):
+    from zipage.server.protocol import RequestLimits
+
+    return RequestLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+                         max_pending_body_bytes=args.max_pending_body_bytes,
+                         max_prompt_tokens=args.max_prompt_tokens, max_prompt_chars=args.max_prompt_chars,
+                         max_messages=args.max_messages, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
+                         max_requests_per_call=args.max_requests_per_call)
+
+
+def connection_limits(args: argparse.Namespace):
+    from zipage.server.connections import ConnectionLimits
+
+    return ConnectionLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+                            keep_alive_timeout_s=args.keep_alive_timeout, write_timeout_s=args.write_timeout,
+                            max_header_bytes=args.max_header_bytes, backlog=args.backlog)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key, else from the environment; an empty one is an error, not 'no key'."""
+    from zipage.server.app import check_api_key_value
+
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    try:
+        check_api_key_value(key)
+    except ValueError as error:
+        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        raise ValueError(f"{source}: {error}") from None
+    return key
 
 
 def build_app(args: argparse.Namespace):
@@ -51,16 +131,31 @@ def build_app(args: argparse.Namespace):
         raise ValueError(f"--stream-interval must be >= 0, got {args.stream_interval}")
     if args.switch_interval is not None and not args.switch_interval > 0:
         raise ValueError(f"--switch-interval must be > 0, got {args.switch_interval}")
+    if args.preprocess_workers < 1:
+        raise ValueError(f"--preprocess-workers must be >= 1, got {args.preprocess_workers}")
+    key = api_key(args)
+    limits = request_limits(args)  # checked before the model loads
+    connection_limits(args)
     llm = LLM(args.model, **engine_kwargs(args))
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    return create_app(llm.engine, served_model_name(args), api_key=api_key,
+    return create_app(llm.engine, served_model_name(args), api_key=key,
                       max_queued_requests=args.max_queued_requests, stream_interval=stream_interval,
-                      switch_interval=args.switch_interval)
+                      switch_interval=args.switch_interval, limits=limits,
+                      preprocess_workers=args.preprocess_workers,
+                      trust_request_chat_template=args.trust_request_chat_template,
+                      escape_special_tokens=args.escape_special_tokens,
+                      metrics_need_key=not args.unauthenticated_metrics)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from zipage.server.connections import uvicorn_config
 
     app = build_app(args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    serve(uvicorn_config(app, connection_limits(args), host=args.host, port=args.port, log_level=args.log_level))
     return 0
+
+
+def serve(config) -> None:
+    """Run uvicorn with ``config`` until it is stopped (a signal)."""
+    import uvicorn
+
+    uvicorn.Server(config).run()
