@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from zipage import SamplingParams
 from zipage.cli import main as cli_main
@@ -133,6 +134,58 @@ def test_bad_sampling_params(kwargs, message):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("seed", [2**63, -2**63 - 1, 10**30])
+def test_seeds_outside_int64_are_rejected(seed):
+    with pytest.raises(ValueError, match=rf"seed must be None or an integer in \[-2\*\*63, 2\*\*63 - 1\] "
+                                         rf"\(int64\), got {seed}"):
+        SamplingParams(seed=seed)
+
+
+def test_seeds_at_the_int64_limits_sample_reproducibly(llm):
+    runs = {}
+    for seed in (2**63 - 1, -2**63, 2**63 - 1):
+        params = SamplingParams(temperature=1.0, max_tokens=12, seed=seed, ignore_eos=True)
+        tokens = llm.generate(["Let x = 12"], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert runs.setdefault(seed, tokens) == tokens and len(tokens) == 12
+    assert runs[2**63 - 1] != runs[-2**63]
+    assert_pool_full(llm)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_without_cuda_is_a_clear_error(checkpoint_dir, device):
+    with pytest.raises(ValueError, match=f"device='{device}', but CUDA is not available here"):
+        make_llm(checkpoint_dir("qwen3"), device=device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_index_beyond_the_visible_ones_is_named(checkpoint_dir):
+    count = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"device='cuda:{count}': the GPU index must be an integer in "
+                                         rf"\[0, {count - 1}\] \({count} visible\)"):
+        make_llm(checkpoint_dir("qwen3"), device=f"cuda:{count}")
+
+
+def test_a_budget_the_context_never_outgrows_is_rejected(checkpoint_dir):
+    """A request is compressed once it outgrows the budget and the working block: at 16-token
+    blocks and a budget of 32, the first context that compresses is 50 tokens long."""
+    from zipage import CompressionConfig
+
+    model_dir = checkpoint_dir("qwen3")
+    budget = CompressionConfig(kv_budget_tokens=32, window=8)
+    for max_model_len in (32, 49):
+        with pytest.raises(ValueError, match=rf"kv_budget_tokens=32 with max_model_len={max_model_len}: nothing "
+                                             rf"would ever be compressed.*max_model_len must be >= 50 "
+                                             rf"\(or kv_budget_tokens <= {max_model_len - 18}\)"):
+            make_llm(model_dir, block_size=16, max_model_len=max_model_len, compression=budget)
+    # max_model_len from the model (4096 for the tiny checkpoint), budget from max_blocks_per_seq
+    with pytest.raises(ValueError, match="kv_budget_tokens=4096 with max_model_len=4096"):
+        make_llm(model_dir, block_size=16, compression=CompressionConfig(max_blocks_per_seq=257))
+    with make_llm(model_dir, block_size=16, max_model_len=50, compression=budget) as llm:
+        out = llm.generate([[5]], SamplingParams(max_tokens=49, ignore_eos=True, temperature=0), use_tqdm=False)[0]
+    assert out.metrics.num_compressions == 1 and out.metrics.evicted_tokens > 0
+
+
 def test_bad_engine_arguments(checkpoint_dir, tmp_path):
     model_dir = checkpoint_dir("qwen3")
     with pytest.raises(ValueError, match="unknown engine argument 'tensor_paralel_size'"):
@@ -183,7 +236,34 @@ def test_cli_generate(checkpoint_dir, capsys):
     assert code == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [len(line["token_ids"]) for line in lines] == [5, 5]
+    assert all(line["metrics"]["num_compressions"] == 0 == line["metrics"]["evicted_tokens"] for line in lines)
     assert cli_main(["generate", "--model", "/nonexistent/dir", "--prompt", "x"]) == 2
+
+
+def test_cli_generate_json_carries_the_compression_metrics(checkpoint_dir, capsys):
+    """The counters of ``generate --json`` are those ``LLM.generate`` reports for the same run."""
+    from zipage import CompressionConfig
+
+    model_dir = checkpoint_dir("qwen3")
+    prompts = ["hello", "Let x = 12 and y = 30. Then"]
+    engine = dict(block_size=16, max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=1 << 26)
+    code = cli_main(["generate", "--model", model_dir, *(a for p in prompts for a in ("--prompt", p)),
+                     "--max-tokens", "90", "--ignore-eos", "--json", "--device", "cpu", "--dtype", "float32",
+                     "--block-size", "16", "--max-model-len", "256", "--max-num-seqs", "4",
+                     "--kv-cache-memory-bytes", str(1 << 26), "--kv-budget-tokens", "32", "--compression-window", "8"])
+    assert code == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    with make_llm(model_dir, compression=CompressionConfig(kv_budget_tokens=32, window=8), **engine) as llm:
+        reference = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=90, ignore_eos=True),
+                                 use_tqdm=False)
+    for line, out in zip(lines, reference):
+        m = out.metrics
+        assert line["token_ids"] == out.outputs[0].token_ids
+        assert (line["metrics"]["num_compressions"], line["metrics"]["evicted_tokens"], line["metrics"]["peak_blocks"],
+                line["metrics"]["prompt_tokens"]) == (m.num_compressions, m.evicted_tokens, m.peak_blocks,
+                                                      len(out.prompt_token_ids))
+        assert m.num_compressions >= 2 and m.evicted_tokens > 0 and m.peak_blocks <= 3  # N = 32 / 16 + 1
+        assert line["metrics"]["time_to_first_token_s"] > 0
 
 
 def test_detokenizer_passes_over_tokens_without_text(checkpoint_dir):

@@ -9,13 +9,36 @@ import pytest
 from zipage.cli import main as cli_main
 
 
-def test_throughput_benchmark_small_scale_writes_results(tmp_path, capsys):
+def test_throughput_benchmark_small_scale_writes_results(tmp_path, capsys, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S
+
+    figures = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k))[1])
     out = tmp_path / "throughput"
     code = cli_main(["bench", "throughput", "--shape", "tiny", "--scale", "small", "--device", "cpu",
                      "--hf-requests", "3", "--hf-batch-size", "2",
                      "--modes", "full,zipage,zipage+sync+no-hybrid+budget=48", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "throughput.json").read_text())
+    # On a CPU the roofline is a CPU copy's, measured and said so, not the H200's.
+    roofline = result["roofline"]
+    assert roofline["copy_bytes_per_s"] != COPY_BANDWIDTH_BYTES_PER_S and "H200" not in roofline["source"]
+    assert roofline["source"] == f"{result['device']} copy, measured in this run" and "CPU" in result["device"]
+    printed = capsys.readouterr().out
+    assert f"{roofline['copy_bytes_per_s'] / 1e9:,.1f} GB/s ({roofline['source']})" in printed
+    # The plot: titled with workload, scale, device and date; per mode each step's rate under a rolling mean.
+    (fig,) = figures
+    assert fig._suptitle.get_text() == (f"bench throughput: reasoning-8k at scale small (x0.0156), tiny, "
+                                        f"{result['device']}, {result['date']}")
+    rates = fig.axes[0].get_lines()
+    assert len(rates) == 2 * len(result["modes"])
+    for (raw, mean), timeline in zip(zip(rates[::2], rates[1::2]), result["timelines"].values()):
+        assert raw.get_alpha() < 0.5 and mean.get_alpha() is None and mean.get_linewidth() >= 3 * raw.get_linewidth()
+        assert list(raw.get_ydata()) == [s["seqs"] / s["dt"] for s in timeline]
+        assert max(mean.get_ydata()) < max(raw.get_ydata())  # the mean smooths the spikes
     assert result["benchmark"] == "throughput" and result["workload"]["name"] == "reasoning-8k"
     for mode in ("full", "zipage"):
         metrics = result["modes"][mode]
@@ -49,6 +72,72 @@ def test_steady_state_is_the_saturated_phase():
     never_waited = [dict(seqs=10, waiting=0), dict(seqs=9, waiting=0), dict(seqs=2, waiting=0)]
     assert [b for b, _ in _steady_state([0, 1, 2], never_waited)] == [0, 1]
     assert _steady_state([], []) == []
+
+
+def test_rolling_rate_matches_a_brute_force_window():
+    import random
+
+    from zipage.bench.throughput import rolling_rate
+
+    rng = random.Random(1)
+    for _ in range(20):
+        times, t = [], 0.0
+        for _ in range(rng.randint(1, 60)):
+            t += rng.choice([0.0, rng.uniform(0.001, 0.5)])
+            times.append(t)
+        counts = [rng.randint(0, 50) for _ in times]
+        window = rng.uniform(0.01, 3.0)
+        got = rolling_rate(times, counts, window)
+        for i, t in enumerate(times):
+            inside = sum(c for j, (u, c) in enumerate(zip(times, counts)) if j <= i and (u > t - window or j == i))
+            expected = inside / min(window, t) if min(window, t) > 0 else 0.0
+            assert got[i] == pytest.approx(expected)
+    # steps alternating between 0 and 200 tokens every 10 ms (0 or 20,000 tokens/s each): about 10,000
+    # tokens/s once a window (here of 20 or 21 steps) has passed
+    times = [0.01 * (i + 1) for i in range(400)]
+    rates = rolling_rate(times, [200 * (i % 2) for i in range(400)], window=0.205)
+    assert all(abs(r - 10_000) <= 800 for r in rates[21:])
+
+
+def test_copy_bandwidth_is_the_run_devices(monkeypatch):
+    import itertools
+    import time
+
+    import torch
+
+    from zipage.bench import common
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert common.copy_bandwidth(torch.device("cuda")) == (common.COPY_BANDWIDTH_BYTES_PER_S,
+                                                           "H200 device-to-device copy, measured 2026-11-29")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    monkeypatch.setattr(common, "measure_copy_bandwidth", lambda device: 1.5e12)
+    assert common.copy_bandwidth(torch.device("cuda")) == (1.5e12, "NVIDIA A100 copy, measured in this run")
+    monkeypatch.undo()
+    clock = itertools.count(step=0.25)  # each reading a quarter second later: every copy takes 0.25 s
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    assert common.measure_copy_bandwidth(torch.device("cpu")) == 2 * 2**27 / 0.25  # bytes read + written
+
+
+def test_serving_benchmark_with_a_simulated_step_needs_no_max_model_len(tmp_path, capsys):
+    """Without --max-model-len the simulated engine's context is the model's, as a real engine's."""
+    from zipage.bench.common import model_dir_for
+    from zipage.bench.replay import parse_step_model
+    from zipage.bench.serving import simulated_engine
+
+    model_dir, _ = model_dir_for(None, "qwen3-8b", "qwen3")
+    engine = simulated_engine(model_dir, dict(kv_cache_memory_bytes=16 * 10**9), parse_step_model(None))
+    assert engine.config.scheduler.max_model_len == 40960 and engine.max_prompt_tokens == 40959
+    out = tmp_path / "serve"
+    code = cli_main(["bench", "serve", "--shape", "qwen3-8b", "--simulated-step", "--kv-cache-memory-bytes",
+                     str(16 * 10**9), "--rates", "inf", "--num-requests", "3", "--input-len", "8",
+                     "--output-len", "4", "--out", str(out)])
+    assert code == 0
+    (row,) = json.loads((out / "serving.json").read_text())["rates"]
+    assert row["completed"] == 3 and row["failed"] == 0
+    # The default 1 GiB cache cannot hold the model's 40,960 tokens: said so, not a crash.
+    assert cli_main(["bench", "serve", "--shape", "qwen3-8b", "--simulated-step", "--num-requests", "1"]) == 2
+    assert "max_model_len=40960 does not fit the KV cache" in capsys.readouterr().err
 
 
 def test_throughput_workloads_are_seeded_and_long_tailed():

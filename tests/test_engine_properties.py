@@ -82,7 +82,11 @@ class Workload:
 
     @property
     def max_model_len(self) -> int:
-        return max(2, max(len(r.prompt) + r.params["max_tokens"] for r in self.requests))
+        longest = max(2, max(len(r.prompt) + r.params["max_tokens"] for r in self.requests))
+        if self.compression is None:
+            return longest
+        # EngineConfig rejects a context too short for any compression (budget, working block, one more)
+        return max(longest, self.compression["kv_budget_tokens"] + self.block_size + 2)
 
     def ample_blocks(self) -> int:
         """A cache that holds every request at full length at once."""

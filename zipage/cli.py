@@ -1,4 +1,4 @@
-"""Command line: ``zipage generate | demo | bench | serve``."""
+"""The ``zipage`` command line: generate, demo, bench, serve, eval, train-synthetic."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model's heads and weights over this many GPUs (processes)")
+    add_trust_remote_code_arg(g)
     c = parser.add_argument_group("compression (off unless --kv-budget-tokens is given)")
     c.add_argument("--kv-budget-tokens", type=int, default=None,
                    help="compress: keep this many tokens per layer and KV head (multiple of --block-size)")
@@ -32,6 +33,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--redundancy", default="lightning", choices=["lightning", "raw", "off"])
     c.add_argument("--keep-prompt", action="store_true",
                    help="never evict a request's prompt tokens (up to half the budget)")
+
+
+def add_trust_remote_code_arg(parser) -> None:
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run Python code shipped in the model directory (its auto_map), if it needs any; "
+                             "without this such a model is refused")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -46,7 +53,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
                 async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size,
+                trust_remote_code=getattr(args, "trust_remote_code", False))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -68,19 +76,33 @@ def _print_outputs(llm, args: argparse.Namespace) -> None:
     else:
         outputs = llm.generate(args.prompt, params)
     for out in outputs:
-        c = out.outputs[0]
+        c, m = out.outputs[0], out.metrics
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids,
-                              "finish_reason": c.finish_reason}))
+                              "finish_reason": c.finish_reason, "metrics": output_metrics(out)}))
         else:
-            print(f"--- prompt: {out.prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
+            compressed = (f", {m.num_compressions} compressions, {m.evicted_tokens} tokens evicted"
+                          if m.num_compressions else "")
+            print(f"--- prompt: {out.prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}{compressed}]")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="zipage", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def output_metrics(out) -> dict:
+    """One request's counters for ``generate --json``: its compressions and what they evicted (tokens
+    per layer and KV head), the most KV blocks it held, prefix-cache hits, preemptions and timings."""
+    m = out.metrics
+    return dict(prompt_tokens=len(out.prompt_token_ids), num_compressions=m.num_compressions,
+                evicted_tokens=m.evicted_tokens, peak_blocks=m.peak_blocks,
+                num_cached_prompt_tokens=m.num_cached_prompt_tokens, num_preemptions=m.num_preemptions,
+                time_to_first_token_s=m.time_to_first_token, decode_time_s=m.decode_time)
 
-    gen = sub.add_parser("generate", help="generate text from prompts")
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zipage", description="Zipage: LLM inference with compressed PagedAttention (a fixed KV budget "
+                                   "per request) on local HuggingFace checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text from prompts with a local checkpoint")
     gen.add_argument("--model", required=True, help="local HuggingFace checkpoint directory")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
@@ -92,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--json", action="store_true", help="one JSON object per output")
+    gen.add_argument("--json", action="store_true",
+                     help="one JSON object per output: text, token ids, finish reason and metrics (compressions, "
+                          "evicted tokens, peak KV blocks, cached prompt tokens, preemptions, timings)")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
@@ -106,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     from zipage.quality.train import add_train_parser
     add_eval_parser(sub)
     add_train_parser(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as error:

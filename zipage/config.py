@@ -26,6 +26,17 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_cuda_device(device: str) -> None:
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}, but CUDA is not available here (torch {torch.__version__}, "
+                         f"{'no CUDA build' if torch.version.cuda is None else 'no visible GPU'}); "
+                         f"use device='cpu' or leave device unset")
+    index = device.split(":", 1)[1] if ":" in device else "0"
+    count = torch.cuda.device_count()
+    _check(index.isdigit() and int(index) < count,
+           f"device={device!r}: the GPU index must be an integer in [0, {count - 1}] ({count} visible)")
+
+
 @dataclass
 class CacheConfig:
     """Where KV lives: block size and how much memory the cache may take."""
@@ -209,6 +220,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto": safetensors weights; "dummy": random weights (benchmarks)
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
     tensor_parallel_size: int = 1  # processes (GPUs) sharing the model's heads and weights
+    trust_remote_code: bool = False  # run Python shipped in the model directory (its auto_map)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compression: CompressionConfig | None = None  # None: full KV
@@ -219,8 +231,12 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         _check(self.device.split(":")[0] in ("cuda", "cpu"),
                f"device must be 'cuda', 'cuda:N', 'cpu' or None, got {self.device!r}")
+        if self.is_cuda:
+            _check_cuda_device(self.device)
         _check(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         _check(_is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(isinstance(self.trust_remote_code, bool),
+               f"trust_remote_code must be True or False, got {self.trust_remote_code!r}")
         _check(self.load_format in ("auto", "dummy"),
                f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(self.attention_backend in ("auto", "torch", "triton"),
@@ -240,6 +256,25 @@ class EngineConfig:
         if self.compression is not None:  # a copy: the caller's object may serve other engines
             self.compression = replace(self.compression)
             self.compression.resolve(self.cache.block_size)
+        if self.scheduler.max_model_len is not None:
+            self._check_budget_fits()
+
+    def resolve(self, model_max_len: int) -> None:
+        """Fill the defaults that depend on the model (``SchedulerConfig.resolve``) and check
+        what depends on them."""
+        self.scheduler.resolve(model_max_len)
+        self._check_budget_fits()
+
+    def _check_budget_fits(self) -> None:
+        # A request is compressed once its cache outgrows the budget and the working block (at
+        # its first decode past them), so a context shorter than that would never be compressed.
+        if self.compression is None:
+            return
+        budget, limit, block = self.compression.kv_budget_tokens, self.scheduler.max_model_len, self.cache.block_size
+        _check(limit >= budget + block + 2,
+               f"kv_budget_tokens={budget} with max_model_len={limit}: nothing would ever be compressed. A request "
+               f"is compressed once it outgrows the budget and one working block of block_size={block} tokens, "
+               f"so max_model_len must be >= {budget + block + 2} (or kv_budget_tokens <= {limit - block - 2})")
 
     @property
     def is_cuda(self) -> bool:

@@ -18,6 +18,10 @@ class LLM:
     >>> llm = LLM("path/to/Qwen3-8B")
     >>> out = llm.generate(["1 + 1 ="], SamplingParams(temperature=0, max_tokens=8))
     >>> print(out[0].outputs[0].text)
+
+    Nothing in the checkpoint directory runs as code: a model whose config or tokenizer
+    needs the directory's own Python (``auto_map``) is refused with ``ValueError`` unless
+    ``trust_remote_code=True``.
     """
 
     def __init__(self, model: str, *, device: str | None = None, dtype: str = "auto",
@@ -25,13 +29,15 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
-                 compression: CompressionConfig | dict | None = None, **kwargs):
+                 compression: CompressionConfig | dict | None = None, trust_remote_code: bool = False,
+                 **kwargs):
         self.config = EngineConfig.from_kwargs(
             model, device=device, dtype=dtype, block_size=block_size,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager, seed=seed, compression=compression, **kwargs)
+            enforce_eager=enforce_eager, seed=seed, compression=compression,
+            trust_remote_code=trust_remote_code, **kwargs)
         self.engine = LLMEngine(self.config)
 
     def close(self) -> None:

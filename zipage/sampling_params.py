@@ -73,8 +73,8 @@ class SamplingParams:
         self.stop_token_ids = stop_token_ids
         self.include_stop_str_in_output = bool(include_stop_str_in_output)
         self.skip_special_tokens = bool(skip_special_tokens)
-        if seed is not None and not _is_int(seed):
-            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        if seed is not None and not (_is_int(seed) and -2**63 <= seed <= 2**63 - 1):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**63 - 1] (int64), got {seed!r}")
         self.seed = seed
         self.repetition_penalty = _number("repetition_penalty", repetition_penalty, low=0.0, low_open=True)
         self.presence_penalty = _number("presence_penalty", presence_penalty, low=-2.0, high=2.0)

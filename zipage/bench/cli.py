@@ -4,8 +4,9 @@ from __future__ import annotations
 
 
 def add_bench_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks")
-    kinds = bench.add_subparsers(dest="bench", required=True)
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, replay, decode, kernels, compression, host",
+                           description="Benchmarks of the engine, its server and its kernels.")
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     from zipage.bench.compression import add_compression_parser
     from zipage.bench.decode import add_decode_parser
     from zipage.bench.host import add_host_parser

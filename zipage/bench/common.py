@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import tempfile
+import time
 
 import torch
 
@@ -23,14 +25,51 @@ def model_dir_for(model: str | None, shape: str, arch: str) -> tuple[str, str]:
     return path, "dummy"
 
 
-def device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
+def run_device(device: str | torch.device | None) -> torch.device:
+    """The device a run with ``--device`` (None: the engine's default) uses."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def device_name(device: str | torch.device | None = None) -> str:
+    device = run_device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
     return f"CPU ({platform.processor() or platform.machine()})"
 
 
-def write_json(path: str | None, payload: dict) -> None:
-    payload = dict(payload, device=device_name(), date=datetime.date.today().isoformat(),
+def copy_bandwidth(device: torch.device) -> tuple[float, str]:
+    """The copy ceiling of a roofline on ``device`` (bytes read + written per second), and where the
+    figure comes from: the measured constant on an H200, else a copy timed now on the device."""
+    if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device):
+        return COPY_BANDWIDTH_BYTES_PER_S, "H200 device-to-device copy, measured 2026-11-29"
+    return measure_copy_bandwidth(device), f"{device_name(device)} copy, measured in this run"
+
+
+def measure_copy_bandwidth(device: torch.device, repeats: int = 5) -> float:
+    """Bytes read + written per second of the fastest of ``repeats`` copies of a buffer larger than
+    the caches (the first copy, which pays for page faults, is not counted)."""
+    nbytes = 1 << (30 if device.type == "cuda" else 27)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for i in range(repeats + 1):
+        _synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def write_json(path: str | None, payload: dict, device: str | torch.device | None = None) -> None:
+    """Write ``payload`` with the run's device (``device``: as ``--device``), date and torch version."""
+    payload = dict(payload, device=device_name(device), date=datetime.date.today().isoformat(),
                    torch=torch.__version__)
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

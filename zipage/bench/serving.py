@@ -335,7 +335,7 @@ def _workload_args(args: argparse.Namespace) -> argparse.Namespace:
     wargs = workload_defaults()
     shared = ("model", "shape", "arch", "workload", "scale", "num_requests", "samples_per_prompt", "kv_cache_tokens",
               "whole_gpu", "block_size", "redundancy", "no_prefix_caching", "enforce_eager", "max_num_seqs",
-              "tensor_parallel_size", "device", "seed")
+              "tensor_parallel_size", "device", "seed", "trust_remote_code")
     vars(wargs).update({k: getattr(args, k) for k in shared})
     vars(wargs).update({k: v for k, v in (("modes", args.modes), ("temperature", args.temperature),
                                           ("budget", args.kv_budget_tokens), ("window", args.compression_window))
@@ -598,7 +598,8 @@ def simulated_engine(model_dir: str, kwargs: dict, step_model: dict, tensor_para
 
     config = EngineConfig.from_kwargs(model_dir, **dict(kwargs, device="cpu", load_format="auto"))
     spec = rank_spec(model_dir, tensor_parallel_size)
-    config.resolve(spec.max_position)  # the defaults the engine fills from the model; the runner sizes its cache by them
+    # The defaults the engine fills from the model (max_model_len): the runner sizes its cache by them.
+    config.resolve(spec.max_position)
     runner = SimulatedRunner(config, spec, step_model, sleep=True, token_range=token_range)
     return LLMEngine(config, runner=runner)
 

@@ -5,12 +5,14 @@ requests through HuggingFace ``generate``), with the same KV cache size. Per ste
 the engine reports what it did; from that come tokens/s, running requests,
 block occupancy, compression share, host time, and a roofline: each decode step
 must at least move the weights once and every running request's KV, at the
-measured copy bandwidth.
+device's copy bandwidth (the measured H200 figure on an H200, else a copy timed at
+the start of the run; on a CPU that is a CPU copy, and the output says so).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import math
 import os
@@ -19,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S, model_dir_for, print_table, write_json
+from zipage.bench.common import copy_bandwidth, device_name, model_dir_for, print_table, run_device, write_json
 from zipage.bench.workloads import WORKLOADS, make_workload, peak_kv_demand, requests_for_demand
 
 # The KV cache of the standard run: 48 GB of Qwen3-8B KV (144 KiB per token), an 80 GB-class
@@ -47,6 +49,8 @@ def add_throughput_parser(sub) -> None:
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload, cache and engine options (shared with ``bench replay``)."""
+    from zipage.cli import add_trust_remote_code_arg
+
     p.add_argument("--model", default=None, help="checkpoint directory (default: --shape with random weights)")
     p.add_argument("--shape", default="qwen3-8b")
     p.add_argument("--arch", default="qwen3")
@@ -75,6 +79,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
+    add_trust_remote_code_arg(p)
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop each mode after this many seconds of its run (modelled seconds in a replay): "
                         "unfinished requests are aborted, their tokens so far counted, and the result is "
@@ -186,19 +191,23 @@ def engine_kwargs(mode: str, args, settings: dict, model_dir: str, requests, cac
                   max_num_seqs=args.max_num_seqs, max_model_len=longest + 1, compression=compression,
                   enable_prefix_caching=opts["prefix_caching"], enforce_eager=opts["enforce_eager"],
                   async_scheduling=opts["async_scheduling"], seed=args.seed,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size, trust_remote_code=_trust(args))
     if not args.whole_gpu:
-        spec = rank_spec(model_dir, args.tensor_parallel_size)
+        spec = rank_spec(model_dir, args.tensor_parallel_size, _trust(args))
         kwargs["kv_cache_memory_bytes"] = cache_tokens * kv_bytes_per_token(spec, dtype)
     return kwargs, opts
 
 
-def rank_spec(model_dir: str, tensor_parallel_size: int):
+def rank_spec(model_dir: str, tensor_parallel_size: int, trust_remote_code: bool = False):
     """The model's shape as one rank holds it: its share of the KV heads (one when there are fewer)."""
     from zipage.models.registry import spec_from_config
     from zipage.utils.loader import load_config
-    spec = spec_from_config(load_config(model_dir))
+    spec = spec_from_config(load_config(model_dir, trust_remote_code))
     return replace(spec, num_kv_heads=max(1, spec.num_kv_heads // tensor_parallel_size))
+
+
+def _trust(args) -> bool:
+    return getattr(args, "trust_remote_code", False)
 
 
 def kv_dtype(args) -> torch.dtype:
@@ -221,8 +230,10 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, requests, cache_tokens) -> dict:
-    """Serve ``requests`` in one mode; return its metrics and per-step timeline."""
+def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, requests, cache_tokens,
+             bandwidth: float) -> dict:
+    """Serve ``requests`` in one mode; return its metrics and per-step timeline (the roofline at
+    ``bandwidth``, bytes read + written per second)."""
     from zipage import LLM
 
     kwargs, opts = engine_kwargs(mode, args, settings, model_dir, requests, cache_tokens, kv_dtype(args))
@@ -263,7 +274,7 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
                              blocks=bm.num_blocks - bm.num_free_blocks))
     wall = time.perf_counter() - start
     decode = [s for s in timeline if not s["prefill"] and s["seqs"]]
-    bound = [(weight_bytes + s["kv_tokens"] * kv_per_token) / COPY_BANDWIDTH_BYTES_PER_S for s in decode]
+    bound = [(weight_bytes + s["kv_tokens"] * kv_per_token) / bandwidth for s in decode]
     decode_time = sum(s["dt"] for s in decode)
     steady = _steady_state(bound, decode)
     total_time = sum(s["dt"] for s in timeline) or 1e-9
@@ -327,15 +338,18 @@ def run_hf(args, settings, model_dir, load_format, requests) -> dict | None:
     """Tokens/s of transformers' ``generate`` on a few requests (same shape; random weights if dummy)."""
     if not args.hf_requests:
         return None
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    trust = _trust(args)
     if load_format == "dummy":
+        from zipage.utils.loader import load_config
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+            model = AutoModelForCausalLM.from_config(load_config(model_dir, trust), dtype=dtype,
+                                                     trust_remote_code=trust)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust).to(device)
     model.eval()
     subset = requests[:args.hf_requests]
     new_tokens = min(settings["hf_max_tokens"], min(r.max_tokens for r in subset))
@@ -364,34 +378,50 @@ def run_hf(args, settings, model_dir, load_format, requests) -> dict | None:
                 tokens_per_s=generated / elapsed)
 
 
-def plot(results: dict, path: str) -> None:
+def rolling_rate(times: list[float], counts: list[float], window: float) -> list[float]:
+    """At each time ``times[i]`` (ascending): the counts in (t - window, t] per second of that
+    window (of the time since 0 while it is shorter)."""
+    rates, total, first = [], 0.0, 0
+    for i, (t, count) in enumerate(zip(times, counts)):
+        total += count
+        while first < i and times[first] <= t - window:
+            total -= counts[first]
+            first += 1
+        span = min(window, t)
+        rates.append(total / span if span > 0 else 0.0)
+    return rates
+
+
+def plot(results: dict, path: str, title: str) -> None:
+    """Tokens/s (each step's, faint, under a rolling mean over 1/30 of the longest run), running
+    requests and KV occupancy against time, one line per mode."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
+    window = max((run["timeline"][-1]["t"] for run in results.values() if run["timeline"]), default=0.0) / 30
     for mode, run in results.items():
         timeline = run["timeline"]
         if not timeline:
             continue
-        end = timeline[-1]["t"]
-        bins = max(1, min(100, len(timeline) // 5))
-        width = end / bins or 1.0
-        produced = [0.0] * bins
-        for s in timeline:
-            produced[min(bins - 1, int(s["t"] / width))] += s["seqs"]  # one token per request per step
-        centres = [(i + 0.5) * width for i in range(bins)]
-        axes[0].plot(centres, [p / width for p in produced], label=mode)
-        axes[1].plot([s["t"] for s in timeline], [s["running"] for s in timeline], label=mode)
+        t = [s["t"] for s in timeline]
+        produced = [s["seqs"] for s in timeline]  # one token per request per step
+        line, = axes[0].plot(t, [n / s["dt"] if s["dt"] > 0 else 0.0 for n, s in zip(produced, timeline)],
+                             linewidth=0.5, alpha=0.25)
+        axes[0].plot(t, rolling_rate(t, produced, window), color=line.get_color(), linewidth=2.0,
+                     label=f"{mode} (mean over {window:.2g} s)")
+        axes[1].plot(t, [s["running"] for s in timeline], label=mode)
         num_blocks = run["metrics"]["num_blocks"]
-        axes[2].plot([s["t"] for s in timeline], [100 * s["blocks"] / num_blocks for s in timeline], label=mode)
-    axes[0].set_ylabel("tokens/s")
+        axes[2].plot(t, [100 * s["blocks"] / num_blocks for s in timeline], label=mode)
+    axes[0].set_ylabel("tokens/s (faint: each step)")
     axes[1].set_ylabel("running requests")
     axes[2].set_ylabel("KV blocks in use (%)")
     axes[2].set_xlabel("seconds")
     for ax in axes:
         ax.legend()
         ax.grid(alpha=0.3)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -403,7 +433,7 @@ def prepare_workload(args: argparse.Namespace):
     scale = settings["scale"]
     model_dir, load_format = model_dir_for(args.model, args.shape, args.arch)
     from zipage.utils.loader import load_config
-    vocab = load_config(model_dir).vocab_size
+    vocab = load_config(model_dir, _trust(args)).vocab_size
     cache_tokens = args.kv_cache_tokens or int(STANDARD_CACHE_TOKENS * scale)
     if args.num_requests:
         requests = make_workload(args.workload, math.ceil(args.num_requests / args.samples_per_prompt),
@@ -431,13 +461,16 @@ def prepare_workload(args: argparse.Namespace):
 def run_throughput_bench(args: argparse.Namespace) -> int:
     settings, model_dir, load_format, requests, cache_tokens, modes = prepare_workload(args)
     scale = settings["scale"]
-    results = {mode: run_mode(mode, args, settings, model_dir, load_format, requests, cache_tokens)
+    device = run_device(args.device)
+    bandwidth, bandwidth_source = copy_bandwidth(device)
+    results = {mode: run_mode(mode, args, settings, model_dir, load_format, requests, cache_tokens, bandwidth)
                for mode in modes}
     hf = run_hf(args, settings, model_dir, load_format, requests)
     rows = [r["metrics"] for r in results.values()]
     columns = ["mode", "tokens_per_s", "requests_per_s", "mean_running", "peak_running", "mean_block_occupancy",
                "compression_share", "host_ms_per_decode_step", "steady_roofline_fraction", "roofline_tokens_per_s"]
-    print()
+    print(f"\nroofline: each decode step moves the weights and every running request's KV at "
+          f"{bandwidth / 1e9:,.1f} GB/s ({bandwidth_source})")
     print_table(rows, columns)
     ratios = {}
     full = next((m for m in results if m.split("+")[0] == "full"), None)
@@ -464,7 +497,10 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                   f"{100 * (gpu['compression_hidden_fraction'] or 0):.0f}% hidden under decode steps")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        plot(results, os.path.join(args.out, "throughput.png"))
+        scale_text = f"{args.scale} (x{scale:.3g})" if args.scale in PRESETS else f"x{scale:g}"
+        title = (f"bench throughput: {args.workload} at scale {scale_text}, {args.model or args.shape}, "
+                 f"{device_name(device)}, {datetime.date.today().isoformat()}")
+        plot(results, os.path.join(args.out, "throughput.png"), title)
         lengths = [r.max_tokens for r in requests]
         write_json(os.path.join(args.out, "throughput.json"), dict(
             benchmark="throughput", model=args.model or args.shape, settings=settings,
@@ -478,6 +514,7 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                          prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
                          redundancy=args.redundancy, temperature=args.temperature,
                          tensor_parallel_size=args.tensor_parallel_size),
+            roofline=dict(copy_bytes_per_s=bandwidth, source=bandwidth_source),
             modes={m: r["metrics"] for m, r in results.items()}, hf_generate=hf, ratios=ratios,
-            timelines={m: r["timeline"] for m, r in results.items()}))
+            timelines={m: r["timeline"] for m, r in results.items()}), device=device)
     return 0

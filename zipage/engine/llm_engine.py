@@ -79,10 +79,10 @@ class LLMEngine:
         from zipage.runner.tensor_parallel import make_runner
 
         self.config = config
-        self.hf_config = load_config(config.model)
+        self.hf_config = load_config(config.model, config.trust_remote_code)
         model_max_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        config.scheduler.resolve(model_max_len)
-        self.tokenizer = load_tokenizer(config.model)
+        config.resolve(model_max_len)
+        self.tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         self.runner = runner if runner is not None else make_runner(config, self.hf_config)
         self.vocab_size = self.runner.vocab_size
         capacity = self.runner.num_blocks * config.cache.block_size

@@ -78,8 +78,8 @@ def score(encoded: list[Encoded], outputs) -> dict:
 
 def kv_bytes_per_token(model_dir: str, device: str) -> int:
     """K and V of one token over all layers, in the dtype the engine runs (float32 on the CPU)."""
-    from transformers import AutoConfig
-    c = AutoConfig.from_pretrained(model_dir)
+    from zipage.utils.loader import load_config
+    c = load_config(model_dir)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     element = 4 if device == "cpu" else 2
     return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * element
@@ -120,8 +120,8 @@ def run_engine(model_dir: str, encoded: list[Encoded], compression=None, device:
 
 
 def _model_limit(model_dir: str) -> int:
-    from transformers import AutoConfig
-    return getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None) or 4096
+    from zipage.utils.loader import load_config
+    return getattr(load_config(model_dir), "max_position_embeddings", None) or 4096
 
 
 def evaluate_full_kv(model_dir: str, problems: list[tasks.Problem], device: str | None = None,

@@ -146,6 +146,8 @@ def run_math(model_dir: str, problems: list[dict], n: int, sampling: dict, modes
 
 
 def add_math_parser(kinds) -> None:
+    from zipage.cli import add_trust_remote_code_arg
+
     m = kinds.add_parser("math", help="pass@1 and throughput on a JSONL of math problems")
     m.add_argument("--model", required=True, help="local HuggingFace checkpoint directory")
     m.add_argument("--data", required=True, help="JSONL with 'question' (or 'problem') and 'answer' per line")
@@ -164,6 +166,7 @@ def add_math_parser(kinds) -> None:
     m.add_argument("--max-num-seqs", type=int, default=256)
     m.add_argument("--max-model-len", type=int, default=None)
     m.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    add_trust_remote_code_arg(m)
     m.add_argument("--out", default="results/quality")
     m.set_defaults(func=_run_math)
 
@@ -181,7 +184,7 @@ def _run_math(args: argparse.Namespace) -> int:
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens)
     engine = dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  gpu_memory_utilization=args.gpu_memory_utilization)
+                  gpu_memory_utilization=args.gpu_memory_utilization, trust_remote_code=args.trust_remote_code)
     record = run_math(args.model, problems, args.n, sampling, modes, engine)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "math.json")

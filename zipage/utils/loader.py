@@ -1,4 +1,9 @@
-"""Load a HuggingFace checkpoint directory: config, safetensors weights, tokenizer."""
+"""Load a HuggingFace checkpoint directory: config, safetensors weights, tokenizer.
+
+Nothing in the directory runs as code unless the caller passes ``trust_remote_code=True``:
+a config or tokenizer that needs the directory's own Python is refused with a
+``ValueError`` (transformers would otherwise ask on stdin).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import logging
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -20,20 +25,34 @@ def check_model_dir(model_dir: str) -> None:
         raise FileNotFoundError(f"model directory {model_dir!r} has no config.json")
 
 
-def load_config(model_dir: str):
+def load_config(model_dir: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
     check_model_dir(model_dir)
-    return AutoConfig.from_pretrained(model_dir)
+    return _load(AutoConfig, "config", model_dir, trust_remote_code)
 
 
-def load_tokenizer(model_dir: str):
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     """The checkpoint's tokenizer, or ``None`` when it ships none (token-id prompts only)."""
     from transformers import AutoTokenizer
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(model_dir, n)) for n in names):
         logger.warning("no tokenizer files in %s: prompts must be token ids", model_dir)
         return None
-    return AutoTokenizer.from_pretrained(model_dir)
+    return _load(AutoTokenizer, "tokenizer", model_dir, trust_remote_code)
+
+
+def _load(auto_class, what: str, model_dir: str, trust_remote_code: bool):
+    """``auto_class.from_pretrained`` with the remote-code decision made here, never asked on stdin."""
+    if not isinstance(trust_remote_code, bool):
+        raise ValueError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
+    try:
+        return auto_class.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except ValueError as error:
+        if trust_remote_code or "trust_remote_code" not in str(error):
+            raise
+        raise ValueError(f"the {what} of {model_dir!r} needs the Python code shipped in that directory "
+                         f"(auto_map in its config files); it was not run. Pass trust_remote_code=True "
+                         f"(--trust-remote-code) only if you trust that code") from None
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:
@@ -47,28 +66,38 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                 for shard in (_shards_of(model, name) or [None])}
     loaded = set()
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                target, shard = _target_of(name, packed)
-                param = params.get(target)
-                if param is None:
-                    if not name.endswith("rotary_emb.inv_freq") and not (
-                            name == "lm_head.weight" and model.spec.tie_word_embeddings):
-                        logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
-                    continue
-                loader = getattr(param, "weight_loader", None)
-                tensor = f.get_tensor(name)
-                if loader is None:
-                    if tuple(tensor.shape) != tuple(param.shape):
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-                    param.data.copy_(tensor)
-                else:
-                    loader(param, tensor, shard)
-                loaded.add((target, shard))
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                loaded |= _copy_tensors(model, f, path, params, packed)
+        except SafetensorError as error:  # truncated, or not safetensors at all
+            raise ValueError(f"cannot read weight file {path!r}: {error}") from error
     missing = sorted(f"{n}" + (f" ({s})" if s else "") for n, s in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks weights for: {', '.join(missing[:10])}"
                          + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+
+
+def _copy_tensors(model: nn.Module, f, path: str, params: dict, packed: dict) -> set:
+    """Copy one open safetensors file's tensors into their parameters; (parameter, shard) pairs filled."""
+    loaded = set()
+    for name in f.keys():
+        target, shard = _target_of(name, packed)
+        param = params.get(target)
+        if param is None:
+            if not name.endswith("rotary_emb.inv_freq") and not (
+                    name == "lm_head.weight" and model.spec.tie_word_embeddings):
+                logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
+            continue
+        loader = getattr(param, "weight_loader", None)
+        tensor = f.get_tensor(name)
+        if loader is None:
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"{name} in {path!r}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            param.data.copy_(tensor)
+        else:
+            loader(param, tensor, shard)
+        loaded.add((target, shard))
+    return loaded
 
 
 def _target_of(name: str, packed: dict) -> tuple[str, str | None]:
