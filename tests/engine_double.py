@@ -239,7 +239,7 @@ class CheckingRunner:
         self.block_size = config.cache.block_size
         comp = config.compression
         self.window = comp.window if comp is not None else None
-        self.slotless_limit = comp.slotless_limit(self.block_size) if comp is not None else None
+        self.compression = comp
         self.tokens = TokenModel(token_alphabet(config.model), self.vocab_size)
         # As the model runner: penalised requests' token counts, a row each (freed by ``forget``).
         self.penalties = PenaltyState(config.scheduler.max_num_seqs, self.vocab_size, torch.device("cpu"))
@@ -438,9 +438,10 @@ class CheckingRunner:
         assert index // bs < len(table), \
             f"request {rid}: no block for cache index {index} (position {position}); block table {table}"
         block = table[index // bs]
-        if self.slotless_limit is not None and seq.query_slot is None:
-            assert index < self.slotless_limit, (f"request {rid} caches index {index} (position {position}) "
-                                                 f"without a query slot (limit {self.slotless_limit})")
+        if self.compression is not None and seq.query_slot is None and seq.max_blocks is not None:
+            limit = self.compression.slotless_limit(bs, seq.max_blocks)  # its own budget's
+            assert index < limit, (f"request {rid} caches index {index} (position {position}) "
+                                   f"without a query slot (limit {limit})")
         if self.in_flight is not None:
             owners = [t.seq.request_id for t in self.in_flight.tasks
                       if block in t.source_blocks or block in t.target_blocks]

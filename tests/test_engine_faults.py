@@ -148,7 +148,7 @@ BLOCK = 16
 REAL_POINTS = {  # point: (runner attribute to wrap, which of its calls raises)
     "prefill_launch": ("launch", lambda args, kwargs: args[1]),
     "decode_launch": ("launch", lambda args, kwargs: not args[1]),
-    "sampler": ("sampler", lambda args, kwargs: True),
+    "sampler": ("sample", lambda args, kwargs: True),  # of the runner's Sampler
     "collect": ("collect", lambda args, kwargs: True),
     "compression_launch": ("start_compression", lambda args, kwargs: True),
     "compression_collect": ("compression_done", lambda args, kwargs: True),
@@ -194,7 +194,7 @@ def test_real_runner_fault_leaves_no_block_and_no_poisoned_cache(checkpoint_dir,
     llm = engine()
     name, applies = REAL_POINTS[point]
     at = 1 if point == "sampler" else 0
-    fired = _arm(llm.engine.runner, name, applies, at)
+    fired = _arm(llm.engine.runner.sampler if point == "sampler" else llm.engine.runner, name, applies, at)
     with pytest.raises(RequestsFailed) as info:
         llm.generate(prompts, params, use_tqdm=False)
     assert fired, f"the fault at {point} was not reached"

@@ -156,12 +156,18 @@ def workloads(draw, compress: bool | None = None) -> Workload:
     count = st.integers(4, 7) if tight else st.one_of(st.integers(1, 3), st.integers(3, 7))
     long_prompt = N * bs if compression is not None else bs
     reqs = [draw(requests(i, prefixes, bs, long_prompt, tight)) for i in range(draw(count))]
+    if compression is not None:  # mixed budgets: the engine's, a smaller one of its own, or full KV
+        for r in reqs:
+            r.params.update(draw(st.sampled_from(
+                [{}, {}, {}, dict(compression=False)] + [dict(kv_budget_tokens=k * bs) for k in range(1, N)])))
     prompt_blocks = max(_blocks(len(r.prompt), bs) for r in reqs)
+    full_kv = [r for r in reqs if compression is None or r.params.get("compression") is False]
     if compression is None:  # every request must fit the cache at full length
         low = _blocks(max(len(r.prompt) + r.params["max_tokens"] for r in reqs), bs)
     else:  # a prompt must fit with a block to spare; M requests at full budget fit (as the model
         # runner sizes M), or, overcommitted, do not (slot holders then compete for blocks too)
-        low = max(N + 1, prompt_blocks + 1, 0 if draw(st.booleans()) else M * N)
+        low = max(N + 1, prompt_blocks + 1, 0 if draw(st.booleans()) else M * N,
+                  *(_blocks(len(r.prompt) + r.params["max_tokens"], bs) for r in full_kv))  # a full-KV one alone
     num_blocks = low + draw(st.integers(0, 2) if tight else st.one_of(st.just(0), st.integers(0, 12)))
     return Workload(block_size=bs, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                     prefix_caching=draw(st.integers(0, 3)) != 0, async_scheduling=draw(st.booleans()),

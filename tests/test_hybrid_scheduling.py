@@ -193,7 +193,7 @@ class HybridEngine:
         sched, bm = self.sched, self.bm
         pre_running, pre_waiting = list(sched.running), list(sched.waiting)
         pre = {id(s): SimpleNamespace(kv_len=s.kv_len, table=list(s.block_table), slot=s.query_slot,
-                                      needs=needs_compression(s, bm, self.comp), num_tokens=s.num_tokens)
+                                      needs=needs_compression(s, bm), num_tokens=s.num_tokens)
                for s in pre_running}
         in_flight = self._in_flight_seqs()
         assert sched.compressions.busy == (self.in_flight is not None)

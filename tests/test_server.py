@@ -359,7 +359,7 @@ BAD_REQUESTS = [  # (path, body, status, param, words in the message)
     ("completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": "yes"}}, 400,
      "stream_options.include_usage", "'yes'"),
     ("completions", {"model": MODEL, "prompt": "hi", "temprature": 0}, 400, "temprature", "unknown parameter"),
-    ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 5}, 400, "logprobs", "not supported"),
+    ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs", "in [0, 20], got 21"),
     ("completions", {"model": MODEL, "prompt": ""}, 400, "prompt", "prompt is empty"),
     ("completions", {"model": MODEL, "prompt": []}, 400, "prompt", "prompt must be"),
     ("completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt", "prompt token ids must be in [0, "),

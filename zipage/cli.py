@@ -22,6 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before scheduling the next one")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
+                   help="log probabilities of the model's logits (raw) or of the distribution sampled from "
+                        "(processed: after penalties, temperature, top-k/top-p/min-p)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model's heads and weights over this many GPUs (processes)")
@@ -53,7 +56,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
                 async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format,
-                tensor_parallel_size=args.tensor_parallel_size,
+                tensor_parallel_size=args.tensor_parallel_size, logprobs_mode=args.logprobs_mode,
                 trust_remote_code=getattr(args, "trust_remote_code", False))
 
 

@@ -189,23 +189,25 @@ class CompressionConfig:
                f"max_blocks_per_compression={self.max_blocks_per_compression} must hold one request's "
                f"{self.max_blocks_per_seq} blocks")
 
-    def protected_tokens(self, num_prompt_tokens: int) -> int:
+    def protected_tokens(self, num_prompt_tokens: int, kv_budget_tokens: int | None = None) -> int:
         """Leading tokens a compression of a request with this prompt always keeps.
 
         The attention sink; with ``keep_prompt``, at least the prompt (the question, which a
-        reasoning trace may need again at any step), capped at half the budget and below
-        the window so that a long prompt is still compressed and decoding keeps room.
+        reasoning trace may need again at any step), capped at half the budget (the request's
+        own, if it asked for one) and below the window so that a long prompt is still
+        compressed and decoding keeps room.
         """
         if not self.keep_prompt:
             return self.attention_sink
-        cap = min(self.kv_budget_tokens // 2, self.kv_budget_tokens - self.window)
+        budget = kv_budget_tokens if kv_budget_tokens is not None else self.kv_budget_tokens
+        cap = min(budget // 2, budget - self.window)
         return max(self.attention_sink, min(num_prompt_tokens, cap))
 
-    def slotless_limit(self, block_size: int) -> int:
+    def slotless_limit(self, block_size: int, max_blocks: int | None = None) -> int:
         """A request without a query slot may cache tokens only below this index: the
-        window of its next compression (the last ``window`` positions of a full budget)
-        must have its queries saved."""
-        return self.max_blocks_per_seq * block_size - self.window
+        window of its next compression (the last ``window`` positions of a full budget,
+        ``max_blocks`` blocks if the request has a budget of its own) must have its queries saved."""
+        return (max_blocks or self.max_blocks_per_seq) * block_size - self.window
 
 
 @dataclass
@@ -221,6 +223,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
     tensor_parallel_size: int = 1  # processes (GPUs) sharing the model's heads and weights
     trust_remote_code: bool = False  # run Python shipped in the model directory (its auto_map)
+    # Log probabilities (SamplingParams.logprobs) of the model's logits ("raw", as vLLM's default
+    # raw_logprobs) or of the distribution sampled from ("processed": after penalties, temperature,
+    # top-k / top-p / min-p)
+    logprobs_mode: str = "raw"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compression: CompressionConfig | None = None  # None: full KV
@@ -239,6 +245,8 @@ class EngineConfig:
                f"trust_remote_code must be True or False, got {self.trust_remote_code!r}")
         _check(self.load_format in ("auto", "dummy"),
                f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        _check(self.logprobs_mode in ("raw", "processed"),
+               f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         _check(self.attention_backend in ("auto", "torch", "triton"),
                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         tp = self.tensor_parallel_size

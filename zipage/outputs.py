@@ -34,12 +34,27 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """One token's log probability at one position (vLLM's ``Logprob``)."""
+
+    logprob: float  # natural log; -inf for a token the processed distribution excludes
+    rank: int  # 1 = the most likely token at that position
+    decoded_token: str | None = None  # the token alone, decoded
+
+
+# One position: the sampled token and the k most likely ones (k or k + 1 entries), by token id.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # With ``SamplingParams(logprobs=k)``: one entry per token of ``token_ids``, else None.
+    logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass

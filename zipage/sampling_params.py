@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default max_logprobs)
+
 
 @dataclass(init=False)
 class SamplingParams:
@@ -12,10 +14,14 @@ class SamplingParams:
 
     ``temperature=0`` is greedy decoding. ``seed`` makes a request's samples
     depend only on the seed and the token position, not on the rest of the batch.
+    ``kv_budget_tokens`` (a multiple of the block size, at most the engine's budget) gives this
+    request a smaller KV budget than the engine's; ``compression=False`` gives it full KV.
     Penalties (vLLM's and OpenAI's meaning): ``repetition_penalty`` divides the positive
     logits (multiplies the others) of every token of the prompt or the output so far;
     ``frequency_penalty`` is subtracted once per occurrence of a token in the output,
     ``presence_penalty`` once if it occurs there.
+    ``logprobs=k``: each output token's log probability, its rank, and the ``k`` most likely
+    tokens' (``CompletionOutput.logprobs``); ``k`` in ``[0, MAX_LOGPROBS]``, None for none.
     """
 
     temperature: float = 1.0
@@ -33,6 +39,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    kv_budget_tokens: int | None = None  # this request's compression budget (None: the engine's)
+    compression: bool = True  # False: full KV for this request (never compressed)
+    logprobs: int | None = None  # alternatives per output token (None: no logprobs)
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  min_p: float = 0.0, max_tokens: int | None = 16, min_tokens: int = 0,
@@ -40,7 +49,9 @@ class SamplingParams:
                  stop_token_ids: list[int] | None = None,
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
                  seed: int | None = None, repetition_penalty: float = 1.0,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, **unknown):
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 kv_budget_tokens: int | None = None, compression: bool = True,
+                 logprobs: int | None = None, **unknown):
         if unknown:
             allowed = ", ".join(f.name for f in fields(self))
             raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; allowed: {allowed}")
@@ -79,6 +90,20 @@ class SamplingParams:
         self.repetition_penalty = _number("repetition_penalty", repetition_penalty, low=0.0, low_open=True)
         self.presence_penalty = _number("presence_penalty", presence_penalty, low=-2.0, high=2.0)
         self.frequency_penalty = _number("frequency_penalty", frequency_penalty, low=-2.0, high=2.0)
+        if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
+        self.logprobs = logprobs
+        # Per-request compression: the engine checks the budget against its own (``request_max_blocks``).
+        if kv_budget_tokens is not None and (not _is_int(kv_budget_tokens) or kv_budget_tokens < 1):
+            raise ValueError(f"kv_budget_tokens must be None (the engine's budget) or an integer >= 1, "
+                             f"got {kv_budget_tokens!r}")
+        if not isinstance(compression, bool):
+            raise ValueError(f"compression must be True or False, got {compression!r}")
+        if kv_budget_tokens is not None and not compression:
+            raise ValueError(f"kv_budget_tokens={kv_budget_tokens} asks for compression, but compression=False "
+                             "asks for full KV: give one of them")
+        self.kv_budget_tokens = kv_budget_tokens
+        self.compression = compression
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +113,15 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """Whether any penalty is away from its neutral value (the request needs a penalty row)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+class ParameterError(ValueError):
+    """A bad value of one request parameter that only the engine can judge (a budget over its own):
+    ``param`` names it, so that the server's 400 does."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 def _is_int(value) -> bool:

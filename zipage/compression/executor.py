@@ -98,11 +98,13 @@ class Compressor:
         self._mark_time = now
 
     def batches(self, tasks: list[CompressionTask]) -> list[list[CompressionTask]]:
-        """Split tasks so that no batch reads more than ``max_blocks_per_compression`` blocks."""
+        """Split tasks, in order, so that no batch reads more than ``max_blocks_per_compression``
+        blocks and every batch keeps one length (requests may have budgets of their own). The
+        order stays: a synchronous task's fresh target may be a block an earlier task released."""
         batches, current, blocks = [], [], 0
         for task in tasks:
             n = len(task.source_blocks)
-            if current and blocks + n > self.config.max_blocks_per_compression:
+            if current and (blocks + n > self.config.max_blocks_per_compression or task.keep != current[0].keep):
                 batches.append(current)
                 current, blocks = [], 0
             current.append(task)

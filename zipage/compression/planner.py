@@ -1,6 +1,7 @@
 """Which requests compress this step, and into which blocks.
 
-A decoding request may hold at most N blocks. When it holds N and its last
+A decoding request may hold at most N blocks (its own: a request may ask for a smaller
+budget than the engine's, or for full KV, see ``request_max_blocks``). When it holds N and its last
 block is full (or more than N, after a long prompt), its next token has nowhere
 to go: it is compressed first, keeping k = (N-1) * block_size tokens per layer
 and KV head in N-1 target blocks, and then decodes into a fresh working block.
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from zipage.config import CompressionConfig
 from zipage.engine.block_manager import BlockManager
 from zipage.engine.sequence import Sequence
+from zipage.sampling_params import ParameterError, SamplingParams
 
 
 @dataclass
@@ -31,9 +33,37 @@ class CompressionTask:
     pending_release: list[int]  # source blocks to release once an asynchronous compaction is done
 
 
-def needs_compression(seq: Sequence, bm: BlockManager, config: CompressionConfig) -> bool:
+def request_max_blocks(config: CompressionConfig | None, block_size: int, params: SamplingParams) -> int | None:
+    """N for one request: the most blocks its budget lets it hold while decoding (kept blocks plus
+    the working block), or None for full KV (``compression=False``, or an engine without
+    compression). A budget must be a multiple of ``block_size``, hold the window (and attention
+    sink), and be at most the engine's: ``ParameterError`` (a ``ValueError``) names the value and
+    the allowed range."""
+    budget = params.kv_budget_tokens
+    if config is None:
+        if budget is not None:
+            raise ParameterError("kv_budget_tokens", f"kv_budget_tokens={budget}: this engine runs without "
+                                 "compression (full KV), so a request cannot ask for a budget; start it with a "
+                                 "CompressionConfig (--kv-budget-tokens)")
+        return None
+    if not params.compression:
+        return None
+    if budget is None:
+        return config.max_blocks_per_seq
+    low = max(1, -(-(config.window + config.attention_sink) // block_size)) * block_size
+    high = config.kv_budget_tokens
+    if budget % block_size or not low <= budget <= high:
+        raise ParameterError("kv_budget_tokens", f"kv_budget_tokens={budget} must be a multiple of "
+                                 f"block_size={block_size} in [{low}, {high}] (at most the engine's budget)")
+    return budget // block_size + 1
+
+
+def needs_compression(seq: Sequence, bm: BlockManager) -> bool:
+    """Whether ``seq``'s next token has nowhere to go within its budget (never for full KV)."""
+    limit = seq.max_blocks
+    if limit is None:
+        return False
     n_blocks = len(seq.block_table)
-    limit = config.max_blocks_per_seq
     return n_blocks > limit or (n_blocks == limit and bm.needs_block(seq))
 
 
@@ -42,7 +72,8 @@ def plan_compression(seq: Sequence, bm: BlockManager, config: CompressionConfig,
     """Take target blocks for ``seq``; its cache counts as compacted from now on (``kv_len`` is
     the kept length). Its counters change only once the compaction is done (``lifecycle.py``)."""
     num_tokens = seq.kv_len
-    sources, targets, pending = bm.compact(seq, config.max_blocks_per_seq - 1, defer_release=asynchronous)
+    num_targets = seq.max_blocks - 1
+    sources, targets, pending = bm.compact(seq, num_targets, defer_release=asynchronous)
     return CompressionTask(
         seq=seq, source_blocks=sources, target_blocks=targets, num_tokens=num_tokens, keep=seq.kv_len,
         pending_release=pending,
@@ -50,4 +81,4 @@ def plan_compression(seq: Sequence, bm: BlockManager, config: CompressionConfig,
         last_position=seq.num_tokens - 2,  # the newest token (last sampled) is not cached yet
         # Scores are fresh at the first compression since the cache was (re)computed: pool them.
         pool=config.pooling_width is not None and (seq.num_scored_tokens == 0 or config.pool_every_compression),
-        protected=config.protected_tokens(seq.num_prompt_tokens))
+        protected=config.protected_tokens(seq.num_prompt_tokens, num_targets * bm.block_size))

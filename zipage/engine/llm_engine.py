@@ -13,6 +13,7 @@ abandoned through their one owner (``compression/lifecycle.py``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -21,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from zipage.compression.planner import request_max_blocks
 from zipage.config import EngineConfig
 from zipage.engine.block_manager import BlockManager
 from zipage.engine.detokenizer import IncrementalDetokenizer
@@ -116,6 +118,9 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._streamed: dict[str, int] = {}  # streamed request id -> output token ids returned so far
+        # a token's text alone, for log probabilities (cached: the same few thousand recur)
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(
+            lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -159,12 +164,18 @@ class LLMEngine:
                      if self.max_prompt_tokens == max_len - 1 else
                      f"the KV cache holds prompts of at most {self.max_prompt_tokens} tokens")
             raise ValueError(f"prompt has {len(token_ids)} tokens; {limit}")
-        room = max_len - len(token_ids)
+        # Its own budget (ValueError if bad). A full-KV request grows with its length, so even beside
+        # compressed ones it must fit the cache alone (to be recomputed after a preemption).
+        full_kv = request_max_blocks(self.config.compression, self.config.cache.block_size, params) is None
+        room = (min(max_len, self.scheduler.max_recompute_tokens) if full_kv else max_len) - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if request_id is None:
             request_id = str(next(self._request_counter))
         elif request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.logprobs is not None and not getattr(self.runner, "supports_logprobs", False):
+            raise ValueError(f"logprobs={params.logprobs}: this engine's runner ({type(self.runner).__name__}) "
+                             "does not compute log probabilities")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         return Sequence(request_id, text, token_ids, params, max_tokens, seed)
 
@@ -387,10 +398,11 @@ class LLMEngine:
         self._append_tokens(launched.seqs, token_ids)
 
     def _append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> None:
-        """Give each request its sampled token; stop those that are done; queue the outputs."""
+        """Give each request its sampled token (and its log probabilities, where asked: the
+        runner's ``StepTokens.logprobs``); stop those that are done; queue the outputs."""
         now = time.perf_counter()
         bm = self.block_manager
-        for seq, token_id in zip(seqs, token_ids):
+        for row, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             if seq.is_finished:
                 continue  # stopped (or aborted) after this step was launched: the token is dropped
             seq.num_pending -= 1
@@ -399,6 +411,8 @@ class LLMEngine:
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             try:
+                if seq.logprobs is not None:
+                    seq.logprobs.append(self._with_text(token_ids.logprobs[row]))
                 reason = self._stop_reason(seq, token_id)
             except Exception as error:  # noqa: BLE001 - e.g. a tokenizer failing on this output
                 self._fail([seq], [], error, "processing an output token")
@@ -407,6 +421,13 @@ class LLMEngine:
                 self._queue_output(self._end(seq, *reason))
             elif seq.request_id in self._streamed:
                 self._outbox.append(self._partial_output(seq))
+
+    def _with_text(self, position: dict) -> dict:
+        """A position's ``Logprob``s with each token decoded alone (``decoded_token``)."""
+        if self.tokenizer is not None:
+            for token_id, logprob in position.items():
+                logprob.decoded_token = self._token_text(token_id)
+        return position
 
     def _stop_reason(self, seq: Sequence, token_id: int):
         """``(finish_reason, stop_reason)`` if ``seq`` is done after ``token_id``, else None.
@@ -492,7 +513,9 @@ class LLMEngine:
         token_ids = seq.token_ids[seq.num_prompt_tokens + sent:].tolist()
         prompt_ids = seq.token_ids[:seq.num_prompt_tokens].tolist() if sent == 0 else []
         self._streamed[seq.request_id] = sent + len(token_ids)
-        return RequestOutput(seq.request_id, seq.prompt, prompt_ids, [CompletionOutput(0, text, token_ids)],
+        logprobs = seq.logprobs[sent:sent + len(token_ids)] if seq.logprobs is not None else None
+        return RequestOutput(seq.request_id, seq.prompt, prompt_ids,
+                             [CompletionOutput(0, text, token_ids, logprobs=logprobs)],
                              finished=False, metrics=seq.metrics)
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -513,6 +536,7 @@ class LLMEngine:
             text = ""
         output_ids = seq.token_ids[seq.num_prompt_tokens + (sent or 0):].tolist()
         prompt_ids = seq.token_ids[:seq.num_prompt_tokens].tolist() if not sent else []
-        completion = CompletionOutput(0, text, output_ids, seq.finish_reason, seq.stop_reason)
+        logprobs = seq.logprobs[sent or 0:] if seq.logprobs is not None else None
+        completion = CompletionOutput(0, text, output_ids, seq.finish_reason, seq.stop_reason, logprobs)
         return RequestOutput(seq.request_id, seq.prompt, prompt_ids, [completion], finished=True,
                              metrics=seq.metrics, error=seq.error)

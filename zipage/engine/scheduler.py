@@ -28,6 +28,12 @@ Without hybrid scheduling every running request holds a slot (at most M run), an
 preemption takes the newest running request not being compressed nor placed in the
 step, possibly the requester itself.
 
+Budgets are per request (``Sequence.max_blocks``, from ``SamplingParams.kv_budget_tokens``
+and ``compression``): a request with a smaller budget compresses at its own N and
+may go without a slot only below its own limit; a full-KV request (``compression=False``)
+never compresses, never takes a slot, may always run without one, and is preempted like
+any request without a slot.
+
 A compression's state lives in ``Compressions`` (``compression/lifecycle.py``); the
 scheduler plans through it and asks it which requests are being compressed.
 """
@@ -39,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from zipage.compression.lifecycle import Compressions
-from zipage.compression.planner import CompressionTask, needs_compression
+from zipage.compression.planner import CompressionTask, needs_compression, request_max_blocks
 from zipage.config import CompressionConfig, SchedulerConfig
 from zipage.engine.block_manager import BlockManager
 from zipage.engine.sequence import Sequence, SequenceStatus
@@ -118,10 +124,10 @@ class Scheduler:
         if compression is not None:
             self.hybrid = compression.hybrid
             self.asynchronous = compression.asynchronous
-            self.slotless_limit = compression.slotless_limit(block_manager.block_size)
             self.compressions = Compressions(block_manager, compression, compression.asynchronous)
 
     def add(self, seq: Sequence) -> None:
+        seq.max_blocks = request_max_blocks(self.compression, self.block_manager.block_size, seq.sampling_params)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -147,7 +153,7 @@ class Scheduler:
         for seq in self.running:
             if not self.free_query_slots:
                 return
-            if seq.query_slot is None:
+            if seq.query_slot is None and seq.max_blocks is not None:  # full KV never needs one
                 seq.query_slot = self.free_query_slots.pop()
 
     def _release_query_slot(self, seq: Sequence) -> None:
@@ -155,9 +161,11 @@ class Scheduler:
             self.free_query_slots.append(seq.query_slot)
             seq.query_slot = None
 
-    def _may_run_without_slot(self, kv_len: int) -> bool:
-        """Whether a request with ``kv_len`` cached tokens can cache the next one without a slot."""
-        return self.hybrid and kv_len < self.slotless_limit
+    def _may_run_without_slot(self, seq: Sequence, kv_len: int) -> bool:
+        """Whether ``seq`` with ``kv_len`` cached tokens can cache the next one without a slot."""
+        if seq.max_blocks is None:
+            return True  # full KV: never compressed, so no window to save
+        return self.hybrid and kv_len < self.compression.slotless_limit(self.block_manager.block_size, seq.max_blocks)
 
     # -- prefill --------------------------------------------------------------
     def _schedule_prefill(self) -> ScheduledBatch | None:
@@ -169,13 +177,13 @@ class Scheduler:
             if (new_tokens > budget and admitted) or not bm.can_allocate(seq):
                 break
             if (self.compression is not None and not self.free_query_slots
-                    and not self._may_run_without_slot(seq.num_tokens)):
+                    and not self._may_run_without_slot(seq, seq.num_tokens)):
                 break  # its prompt reaches into a compression window: it needs a slot
             bm.allocate(seq)
             budget -= new_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            if self.compression is not None and self.free_query_slots:
+            if self.compression is not None and self.free_query_slots and seq.max_blocks is not None:
                 seq.query_slot = self.free_query_slots.pop()
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.perf_counter()
@@ -218,20 +226,20 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or self._compressing(seq):
                 continue  # preempted earlier in this loop, or being compressed
-            if compression is not None and needs_compression(seq, bm, compression):
+            if compression is not None and needs_compression(seq, bm):
                 if seq.query_slot is None:
                     continue  # a guard: without a slot a request stops before this point
                 blocks = len(seq.block_table)
                 if self.asynchronous and (compressions.busy or (
                         batch_blocks and batch_blocks + blocks > compression.max_blocks_per_compression)):
                     continue  # waits for the next compression batch (a lone request always fits)
-                if not make_room(seq, lambda: bm.can_compact(seq, compression.max_blocks_per_seq - 1)):
+                if not make_room(seq, lambda: bm.can_compact(seq, seq.max_blocks - 1)):
                     continue
                 compressions.plan(seq)
                 batch_blocks += blocks
                 if self.asynchronous:
                     continue  # rejoins decoding once its compaction is done
-            elif compression is not None and seq.query_slot is None and not self._may_run_without_slot(seq.kv_len):
+            elif compression is not None and seq.query_slot is None and not self._may_run_without_slot(seq, seq.kv_len):
                 continue  # its next token is in a compression window: waits for a slot
             if make_room(seq, lambda: bm.can_append(seq)):
                 bm.append_slot(seq)

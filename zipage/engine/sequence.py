@@ -52,11 +52,14 @@ class Sequence:
         self.num_prefix_hit_tokens = 0  # of the current prefill, served from the prefix cache
         self.kv_is_token_prefix = True  # False once compaction reorders the cache: no prefix caching
         # compression state (whether a compaction is in flight: ``Compressions.is_compressing``)
+        self.max_blocks: int | None = None  # N of its own budget; None: full KV (the scheduler sets it)
         self.query_slot: int | None = None  # row of the query cache saving its window queries
         self.num_scored_tokens = 0  # leading cached tokens carrying a history score
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # with finish_reason "error": what failed
+        # SamplingParams.logprobs: one {token id: Logprob} per output token in token_ids
+        self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
 
     @property

@@ -6,6 +6,11 @@ index, token id), so a request's samples depend only on its own seed and positio
 reproducible whatever else shares the batch, and the same after preemption.
 
 Penalties read per-request token counts kept on the device (``runner/penalties.py``).
+
+Log probabilities are computed here too, on the device and for the rows that ask only:
+``log_softmax`` of the model's logits (``logprobs_mode="raw"``) or of the logits the
+sampler drew from (``"processed"``: after penalties, bans, temperature and the top-k /
+top-p / min-p masks), then the sampled token's value and rank and the top ``k``.
 """
 
 from __future__ import annotations
@@ -86,6 +91,35 @@ class SamplingTensors:
     # (row, token) pairs forbidden this step (end-of-sequence before min_tokens)
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
+    # Rows that want log probabilities ([L] int64, None if none) and the most alternatives
+    # (top k) any of them wants.
+    logprob_rows: torch.Tensor | None = None
+    max_logprobs: int = 0
+
+
+@dataclass
+class SampledLogprobs:
+    """Log probabilities of the L rows that asked, on the device: column 0 is the sampled token,
+    columns 1..k the k most likely tokens in order (k: the most any row asked for)."""
+
+    token_ids: torch.Tensor  # [L, k + 1] int64
+    logprobs: torch.Tensor  # [L, k + 1] float32
+    ranks: torch.Tensor  # [L] int64: the sampled token's rank (1 = most likely)
+
+
+LOGPROBS_MODES = ("raw", "processed")
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampledLogprobs:
+    """``log_softmax`` of ``logits`` [L, vocab] in float32: the values and ranks of ``tokens`` [L]
+    and the top ``k``. Only [L, k + 1] numbers leave this function, never a [L, vocab] row."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    sampled = tokens[:, None]
+    sampled_logprob = logprobs.gather(1, sampled)
+    ranks = (logprobs > sampled_logprob).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    return SampledLogprobs(torch.cat([sampled, top_ids], dim=1), torch.cat([sampled_logprob, top_logprobs], dim=1),
+                           ranks)
 
 
 @fused
@@ -125,16 +159,39 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k, top_p, min_p) -> torch.
 
 
 class Sampler:
-    def __init__(self, penalties: PenaltyState | None = None):
-        """``penalties``: the runner's ``PenaltyState``, whose rows penalised requests read."""
+    def __init__(self, penalties: PenaltyState | None = None, logprobs_mode: str = "raw"):
+        """``penalties``: the runner's ``PenaltyState``, whose rows penalised requests read.
+        ``logprobs_mode``: "raw" or "processed" (see the module's docstring)."""
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         self.penalties = penalties
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         """Next token id of every row [batch] (int64)."""
+        return self._sample(logits, st)[0]
+
+    def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        """Next token id of every row [batch] (int64), and the log probabilities of the rows of
+        ``st.logprob_rows`` (None if none asked)."""
+        tokens, processed, scale = self._sample(logits, st)
+        if st.logprob_rows is None:
+            return tokens, None
+        rows = st.logprob_rows
+        if self.logprobs_mode == "raw":
+            source = logits[rows]
+        else:  # the temperature the race divides by, applied to the rows asked only
+            source = processed[rows] if scale is None else processed[rows] / scale[rows, None]
+        return tokens, compute_logprobs(source, tokens[rows], st.max_logprobs)
+
+    def _sample(self, logits: torch.Tensor, st: SamplingTensors
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The tokens, and the logits they were drawn from as ``processed / scale[:, None]`` (``scale``
+        None: 1), so that the division is done only for rows that want processed logprobs."""
         if st.all_greedy and st.penalty_rows is None and st.banned_rows is None:
             # Converting to float32 keeps the order (and the first of equal values wins either
             # way): skip the copy of the whole [batch, vocab] logits.
-            return logits.argmax(dim=-1)
+            return logits.argmax(dim=-1), logits, None
         if st.penalty_rows is not None:
             logits = self._penalise(logits, st)
         logits = logits.float()
@@ -144,13 +201,13 @@ class Sampler:
                                       torch.full((), float("-inf"), device=logits.device))
         greedy = logits.argmax(dim=-1)
         if st.all_greedy:
-            return greedy
+            return greedy, logits, None
         temperatures = torch.where(st.temperatures > 0, st.temperatures, torch.ones_like(st.temperatures))
         if st.top_k is not None or st.top_p is not None or st.min_p is not None:
             logits = apply_top_k_top_p_min_p(logits / temperatures[:, None], st.top_k, st.top_p, st.min_p)
             temperatures = torch.ones_like(temperatures)
         sampled = exponential_race(logits, temperatures, st.seeds, st.steps)
-        return torch.where(st.temperatures > 0, sampled, greedy)
+        return torch.where(st.temperatures > 0, sampled, greedy), logits, temperatures
 
     def _penalise(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         """``logits`` in float32 with the penalised rows' penalties applied (out of place: the

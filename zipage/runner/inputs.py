@@ -220,6 +220,10 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[i
     if rows:
         st.banned_rows = _on_device(rows, torch.int64, device)
         st.banned_tokens = _on_device(tokens, torch.int64, device)
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if wanted:
+        st.logprob_rows = _on_device(wanted, torch.int64, device)
+        st.max_logprobs = max(params[i].logprobs for i in wanted)
     return st
 
 

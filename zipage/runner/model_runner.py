@@ -2,8 +2,10 @@
 
 It turns the scheduler's batch into tensors (``inputs.py``), runs prefill eagerly
 and decode through CUDA graphs when it can (``cuda_graph.py``), and returns one
-sampled token per request. Rank 0 also keeps the penalised requests' token counts on
-the device (``penalties.py``).
+sampled token per request, with its log probabilities where the request asked (computed
+on the device, read back with the tokens). The sampler runs outside the CUDA graphs, on
+the logits they return. Rank 0 also keeps the penalised requests' token counts on the
+device (``penalties.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from zipage.config import DTYPES, EngineConfig
 from zipage.distributed import all_reduce_min
 from zipage.engine.sequence import Sequence
 from zipage.layers.fusion import enable_fusion
-from zipage.layers.sampler import Sampler
+from zipage.layers.sampler import SampledLogprobs, Sampler
 from zipage.models.registry import build_model
+from zipage.outputs import Logprob, PositionLogprobs
 from zipage.runner.cuda_graph import DecodeGraphs
 from zipage.runner.inputs import InputBuilder, ModelInputs, StepShape, sampling_tensors
 from zipage.runner.penalties import PenaltyState
@@ -46,17 +49,30 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
-class LaunchedStep:
-    """A step queued on the device: its requests and its sampled tokens, which are copied
-    to the host as soon as the device has them."""
+class StepTokens(list):
+    """A step's sampled token ids, one per request (a list, as every runner returns), and
+    ``logprobs``: per request, its position's log probabilities if it asked, else None
+    (``logprobs`` is None when none of the step's requests asked)."""
 
-    def __init__(self, device: torch.device, seqs: list[Sequence], tokens: torch.Tensor):
+    def __init__(self, token_ids: list[int], logprobs: list[PositionLogprobs | None] | None = None):
+        super().__init__(token_ids)
+        self.logprobs = logprobs
+
+
+class LaunchedStep:
+    """A step queued on the device: its requests and its sampled tokens (and log probabilities,
+    where asked), which are copied to the host as soon as the device has them."""
+
+    def __init__(self, device: torch.device, seqs: list[Sequence], tokens: torch.Tensor,
+                 logprobs: SampledLogprobs | None = None):
         self.seqs = seqs
         self.tokens = tokens  # on the device: the next step's inputs
-        self._host, self._ready = tokens, None
+        results = [tokens] if logprobs is None else [tokens, logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
+        self._host, self._ready = results, None
         if device.type == "cuda":
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in results]
+            for host, result in zip(self._host, results):
+                host.copy_(result, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
 
@@ -65,10 +81,26 @@ class LaunchedStep:
         """Each request's row among the tokens (built only when a next step needs it)."""
         return {seq: i for i, seq in enumerate(self.seqs)}
 
-    def token_ids(self) -> list[int]:
+    def token_ids(self) -> StepTokens:
         if self._ready is not None:
             self._ready.synchronize()
-        return self._host.tolist()
+        tokens = StepTokens(self._host[0].tolist())
+        if len(self._host) > 1:
+            tokens.logprobs = self._logprobs(*(t.tolist() for t in self._host[1:]))
+        return tokens
+
+    def _logprobs(self, token_ids, logprobs, ranks) -> list[PositionLogprobs | None]:
+        """Per request: {token id: Logprob} of the sampled token and its top k (the rows asked, in
+        order, are those of ``sampling_tensors``)."""
+        out: list[PositionLogprobs | None] = [None] * len(self.seqs)
+        wanted = [(i, seq.sampling_params.logprobs) for i, seq in enumerate(self.seqs)
+                  if seq.sampling_params.logprobs is not None]
+        for (i, k), ids, values, rank in zip(wanted, token_ids, logprobs, ranks):
+            position = {ids[0]: Logprob(values[0], rank)}
+            for column in range(1, k + 1):
+                position.setdefault(ids[column], Logprob(values[column], column))
+            out[i] = position
+        return out
 
 
 class ModelRunner:
@@ -76,6 +108,7 @@ class ModelRunner:
     (``tensor_parallel.py`` drives them); rank ``r`` runs on GPU ``base + r``."""
 
     supports_async_scheduling = True  # ``launch`` / ``collect``: a step may start before the last one's tokens are read
+    supports_logprobs = True  # ``StepTokens.logprobs`` for requests with ``SamplingParams.logprobs``
 
     def __init__(self, config: EngineConfig, hf_config, rank: int = 0):
         self.config = config
@@ -119,7 +152,7 @@ class ModelRunner:
         if self.penalties is not None:
             logger.info("penalty state: %d rows of %d tokens (%.0f MiB)", sched.max_num_seqs, self.vocab_size,
                         self.penalties.nbytes / 2**20)
-        self.sampler = Sampler(self.penalties)
+        self.sampler = Sampler(self.penalties, config.logprobs_mode)
         compression = config.compression
         window = compression.window if compression else None
         if self.device.type == "cuda":
@@ -240,8 +273,8 @@ class ModelRunner:
         return handle.query()
 
     def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int],
-                shape: StepShape | None = None, async_callback: Callable[[], None] | None = None) -> list[int]:
-        """Run one step for ``seqs`` and return one sampled token id per sequence.
+                shape: StepShape | None = None, async_callback: Callable[[], None] | None = None) -> StepTokens:
+        """Run one step for ``seqs`` and return one sampled token id per sequence (``StepTokens``).
 
         ``shape``: the step's numbers are already in the host buffers (filled by the caller).
         ``async_callback``: host work to overlap with the step, called once the step is queued on
@@ -277,11 +310,11 @@ class ModelRunner:
             self._inputs_read.record()
         self.last_prepare_s = time.perf_counter() - start
         begin = self.trace.mark() if self.trace else None
-        token_ids = self.sampler(self.logits(inputs), st)
+        token_ids, logprobs = self.sampler.sample(self.logits(inputs), st)
         self.penalties.add_sampled(st, token_ids)  # queued before any later step reads the counts
         if self.trace:
             self.trace.steps.append((begin, self.trace.mark()))
-        return LaunchedStep(self.device, seqs, token_ids)
+        return LaunchedStep(self.device, seqs, token_ids, logprobs)
 
     def forget(self, seqs: list[Sequence]) -> None:
         """The engine no longer runs these requests (finished, aborted or preempted): drop their
@@ -290,8 +323,8 @@ class ModelRunner:
             self.penalties.release(seqs)
 
     @staticmethod
-    def collect(step: "LaunchedStep") -> list[int]:
-        """The token ids of a launched step (waits for the device)."""
+    def collect(step: "LaunchedStep") -> StepTokens:
+        """The token ids (and log probabilities) of a launched step (waits for the device)."""
         return step.token_ids()
 
     @torch.inference_mode()

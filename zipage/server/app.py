@@ -21,6 +21,8 @@ from zipage.server.connections import log_accept_errors_at_a_bounded_rate
 from zipage.server.metrics import ServerMetrics
 from zipage.server.preprocess import Preprocessor
 from zipage.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, RequestLimits, SamplingRequest
+from zipage.server.logprobs import call_logprobs, observers
+from zipage.server.reasoning import ChatReasoning, ReasoningParser
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                max_queued_requests: int = 1024, stream_interval: float = STREAM_INTERVAL_S,
                switch_interval: float | None = SWITCH_INTERVAL_S, limits: RequestLimits | None = None,
                preprocess_workers: int = PREPROCESS_WORKERS, trust_request_chat_template: bool = False,
-               escape_special_tokens: bool = True, metrics_need_key: bool = True) -> FastAPI:
+               escape_special_tokens: bool = True, metrics_need_key: bool = True,
+               reasoning_parser: str | None = None) -> FastAPI:
     """An app serving ``engine`` as model ``model_name``; the engine thread runs while the app does.
 
     ``api_key``: every route but ``/health`` (and ``/metrics`` unless ``metrics_need_key``)
@@ -43,8 +46,11 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     ``escape_special_tokens`` are the ``Preprocessor``'s. Streams get their tokens at most
     every ``stream_interval`` seconds (first tokens and ends at once); the interpreter's
     switch interval is ``switch_interval`` while the app runs; see ``AsyncEngine``.
+    ``reasoning_parser`` (``qwen3``, ``deepseek_r1``): chat answers carry their thinking apart
+    (``message.reasoning``; see ``zipage.server.reasoning``).
     """
     check_api_key_value(api_key)
+    reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser, engine.tokenizer)
     async_engine = AsyncEngine(engine, ServerMetrics(), max_queued_requests, stream_interval, switch_interval)
     preprocessor = Preprocessor(engine.tokenizer, limits or RequestLimits(), engine.max_prompt_tokens,
                                 preprocess_workers, trust_request_chat_template, escape_special_tokens)
@@ -74,7 +80,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     app.add_middleware(_InternalErrors)
     app.state.engine = async_engine
     app.state.preprocessor = preprocessor
-    api = _Api(async_engine, preprocessor, model_name, int(time.time()))
+    api = _Api(async_engine, preprocessor, model_name, int(time.time()), reasoning)
     keyed = [Depends(check_api_key)]
 
     @app.exception_handler(ApiError)
@@ -182,8 +188,10 @@ class _BodyBudget:
 class _Api:
     """The two generating endpoints: request -> engine requests -> JSON or server-sent events."""
 
-    def __init__(self, engine: AsyncEngine, preprocessor: Preprocessor, model_name: str, created: int):
+    def __init__(self, engine: AsyncEngine, preprocessor: Preprocessor, model_name: str, created: int,
+                 reasoning: ReasoningParser | None = None):
         self.engine = engine
+        self.reasoning = reasoning
         self.pre = preprocessor
         self.model_name = model_name
         self.created = created
@@ -241,7 +249,7 @@ class _Api:
                 expanded = [p for p in prompts for _ in range(body.n)]
                 generation = await self.engine.generate(expanded, params, request_ids, admission)
         except ValueError as error:
-            raise ApiError(400, str(error), param=prompt_param) from None
+            raise ApiError(400, str(error), param=getattr(error, "param", prompt_param)) from None
         except EngineOverloaded as error:
             raise ApiError(503, f"the server is overloaded: {error}; retry later", type="server_error",
                            code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -258,21 +266,30 @@ class _Api:
         if body.stream:
             return _sse(self._completion_events(body, response_id, generation), self.engine, generation)
 
+        logprobs = call_logprobs(body, len(generation.request_ids), chat=False)
+
         def choice(index, text, finish_reason):
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        choices, usage = await _collect(request, self.engine, generation, body, choice)
+            return {"index": index, "text": text, "logprobs": logprobs and logprobs.take(index),
+                    "finish_reason": finish_reason}
+        choices, usage = await _collect(request, self.engine, generation, body, choice,
+                                        logprobs and logprobs.observe)
         return {"id": response_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
 
     def _completion_events(self, body, response_id, generation):
-        def choice(index, text, finish_reason):
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._events(body, response_id, "text_completion", generation, choice)
+        logprobs = call_logprobs(body, len(generation.request_ids), chat=False)
 
-    async def _events(self, body, response_id, kind, generation, choice, opening=None):
+        def choice(index, text, finish_reason):
+            return {"index": index, "text": text, "logprobs": logprobs and logprobs.take(index),
+                    "finish_reason": finish_reason}
+        return self._events(body, response_id, "text_completion", generation, choice,
+                            observe=logprobs and logprobs.observe)
+
+    async def _events(self, body, response_id, kind, generation, choice, opening=None, observe=None):
         """Lists of stream events, one per batch the engine hands over: ``choice(index, text,
-        finish_reason)`` builds a choice of new text; ``opening(index)``, if given, a first one per
-        choice; a final usage event when asked."""
+        finish_reason)`` builds a choice of new text (None: no event); ``opening(index)``, if given, a
+        first one per choice; ``observe(index, output)``, if given, sees every output first; a final
+        usage event when asked."""
         base = {"id": response_id, "object": kind, "created": int(time.time()), "model": self.model_name}
         usage = _Usage(body, generation)
         if opening is not None:
@@ -283,9 +300,13 @@ class _Api:
             for index, output in batch:
                 out = output.outputs[0]
                 usage.add(index, output)
+                if observe is not None:
+                    observe(index, output)
                 if out.text or output.finished or body.continuous_usage:
                     finish_reason = out.finish_reason if output.finished else None
-                    events.append(dict(base, choices=[choice(index, out.text, finish_reason)], **usage.field()))
+                    event_choice = choice(index, out.text, finish_reason)
+                    if event_choice is not None:
+                        events.append(dict(base, choices=[event_choice], **usage.field()))
             yield events
         if body.include_usage:
             yield [dict(base, choices=[], usage=usage.total())]
@@ -295,29 +316,49 @@ class _Api:
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body)
 
+        starts_in_reasoning = []
+
         def encode():
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            return [self.pre.encode_chat(messages, body.chat_template_kwargs)]
+            ids = self.pre.encode_chat(messages, body.chat_template_kwargs)
+            if self.reasoning is not None:
+                starts_in_reasoning.append(self.reasoning.starts_in_reasoning(ids, body.chat_template_kwargs))
+            return [ids]
         response_id, generation = await self._start(body, 1, encode, "messages", "chatcmpl")
+        split = None if self.reasoning is None else ChatReasoning(
+            self.reasoning, starts_in_reasoning[0], body.skip_special_tokens, len(generation.request_ids))
         if body.stream:
-            return _sse(self._chat_events(body, response_id, generation), self.engine, generation)
+            return _sse(self._chat_events(body, response_id, generation, split), self.engine, generation)
+        logprobs = call_logprobs(body, len(generation.request_ids), chat=True)
 
         def choice(index, text, finish_reason):
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            message = {"role": "assistant", "content": text} if split is None else split.message(index)
+            return {"index": index, "message": message, "logprobs": logprobs and logprobs.take(index),
                     "finish_reason": finish_reason}
-        choices, usage = await _collect(request, self.engine, generation, body, choice)
+        choices, usage = await _collect(request, self.engine, generation, body, choice,
+                                        observers(None if split is None else split.observe,
+                                                  logprobs and logprobs.observe))
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
 
-    def _chat_events(self, body, response_id, generation):
+    def _chat_events(self, body, response_id, generation, split: ChatReasoning | None = None):
+        logprobs = call_logprobs(body, len(generation.request_ids), chat=True)
+
         def opening(index):
             return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}
 
         def choice(index, text, finish_reason):
-            return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+            if split is None:
+                delta = {"content": text} if text else {}
+            else:
+                delta = split.delta(index)
+                if not delta and finish_reason is None and not body.continuous_usage:
+                    return None  # all of it held back (a tag's first characters) or a tag alone
+            return {"index": index, "delta": delta, "logprobs": logprobs and logprobs.take(index),
                     "finish_reason": finish_reason}
-        return self._events(body, response_id, "chat.completion.chunk", generation, choice, opening)
+        return self._events(body, response_id, "chat.completion.chunk", generation, choice, opening,
+                            observers(None if split is None else split.observe, logprobs and logprobs.observe))
 
 
 def _too_large(limit: int, size: int | None = None) -> ApiError:
@@ -356,8 +397,9 @@ class _Usage:
 
 
 async def _collect(request: Request, engine: AsyncEngine, generation: Generation, body: SamplingRequest,
-                   make_choice):
-    """Wait for every choice (aborting them all if the client goes away); return (choices, usage)."""
+                   make_choice, observe=None):
+    """Wait for every choice (aborting them all if the client goes away); return (choices, usage).
+    ``observe(index, output)``, if given, sees every output as it comes."""
     texts = [[] for _ in generation.request_ids]
     reasons: list[str | None] = [None] * len(texts)
     usage = _Usage(body, generation)
@@ -366,6 +408,8 @@ async def _collect(request: Request, engine: AsyncEngine, generation: Generation
         async for index, output in generation:
             texts[index].append(output.outputs[0].text)
             usage.add(index, output)
+            if observe is not None:
+                observe(index, output)
             if output.finished:
                 reasons[index] = output.outputs[0].finish_reason
 

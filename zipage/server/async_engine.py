@@ -98,7 +98,8 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
     parts = [o.outputs[0] for o in outputs]
     completion = CompletionOutput(parts[-1].index, "".join(p.text for p in parts),
                                   [t for p in parts for t in p.token_ids], parts[-1].finish_reason,
-                                  parts[-1].stop_reason)
+                                  parts[-1].stop_reason,
+                                  None if parts[0].logprobs is None else [lp for p in parts for lp in p.logprobs])
     return RequestOutput(last.request_id, last.prompt, first.prompt_token_ids or last.prompt_token_ids,
                          [completion], last.finished, last.metrics)
 

@@ -13,6 +13,7 @@ def add_serve_parser(sub) -> None:
     from zipage.server.app import PREPROCESS_WORKERS
     from zipage.server.connections import ConnectionLimits
     from zipage.server.protocol import RequestLimits
+    from zipage.server.reasoning import PARSERS
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model", metavar="MODEL_DIR", help="local HuggingFace checkpoint directory")
@@ -34,6 +35,9 @@ def add_serve_parser(sub) -> None:
                    help="the interpreter's thread switch interval in seconds while serving (sys.setswitchinterval; "
                         "default: Python's 0.005): how long the engine thread may wait for the GIL held by the "
                         "event loop")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS),
+                   help="put a chat answer's thinking (<think>...</think>) in message.reasoning and "
+                        "message.reasoning_content, apart from its content (docs/serving.md)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     r, c = RequestLimits(), ConnectionLimits()
@@ -143,7 +147,8 @@ def build_app(args: argparse.Namespace):
                       preprocess_workers=args.preprocess_workers,
                       trust_request_chat_template=args.trust_request_chat_template,
                       escape_special_tokens=args.escape_special_tokens,
-                      metrics_need_key=not args.unauthenticated_metrics)
+                      metrics_need_key=not args.unauthenticated_metrics,
+                      reasoning_parser=args.reasoning_parser)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
-from zipage.sampling_params import SamplingParams
+from zipage.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128  # choices per prompt
 MAX_JSON_DEPTH = 32  # nesting of lists and objects in a body (the API's own fields need 4)
@@ -25,7 +25,7 @@ MAX_TOP_K = 2**31 - 1
 
 # OpenAI fields the engine cannot honour: accepted only at their neutral values.
 NEUTRAL_FIELDS = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,), "logit_bias": (None, {}),
+    "echo": (False,), "logit_bias": (None, {}),
     "best_of": (None, 1), "suffix": (None,),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False), "response_format": (None, {"type": "text"}),
@@ -137,6 +137,13 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    kv_budget_tokens: int | None = None  # this request's KV budget: a multiple of the block size, <= the server's
+    compression: bool = True  # false: full KV for this request
+
+    @field_validator("kv_budget_tokens")
+    @classmethod
+    def _kv_budget_tokens(cls, v):
+        return _in_range("kv_budget_tokens", v, 1)
 
     @field_validator("max_tokens")
     @classmethod
@@ -216,6 +223,11 @@ class SamplingRequest(BaseModel):
         return v
 
     @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the call asks log probabilities for (None: no logprobs)."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -238,7 +250,8 @@ class SamplingRequest(BaseModel):
                         seed=None if self.seed is None else self.seed + j,
                         repetition_penalty=self.repetition_penalty,
                         presence_penalty=self.presence_penalty or 0.0,
-                        frequency_penalty=self.frequency_penalty or 0.0))
+                        frequency_penalty=self.frequency_penalty or 0.0, logprobs=self.num_logprobs,
+                        kv_budget_tokens=self.kv_budget_tokens, compression=self.compression))
                 except ValueError as error:
                     raise ApiError(400, str(error)) from None
         return params
@@ -247,6 +260,16 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: Any
     max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None  # log probabilities of each token and of this many alternatives
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        return _in_range("logprobs", v, 0, MAX_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -301,11 +324,43 @@ class ChatMessage(BaseModel):
                 return "".join(p["text"] for p in v)
         raise ValueError(f"content must be a string or a list of text parts, got {_short(v)}")
 
+    @model_validator(mode="after")
+    def _reasoning(self):
+        """An earlier answer's thinking, by vLLM's name (``reasoning``) or DeepSeek's
+        (``reasoning_content``): a string, given to the template as ``reasoning_content``
+        (what Qwen3's template reads; others ignore it)."""
+        extra = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
+        for name in ("reasoning_content", "reasoning"):
+            value = extra.get(name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string or null, got {_short(value)}")
+        reasoning = extra.pop("reasoning", None)
+        if extra.get("reasoning_content") is None and reasoning is not None:
+            extra["reasoning_content"] = reasoning
+        return self
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     chat_template_kwargs: dict | None = None  # passed to the chat template (e.g. enable_thinking)
+    logprobs: bool | None = False  # log probabilities of each token of the answer
+    top_logprobs: int | None = None  # with logprobs: and of this many alternatives
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v):
+        return _in_range("top_logprobs", v, 0, MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages", mode="before")
     @classmethod

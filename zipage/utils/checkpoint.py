@@ -20,6 +20,49 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# ChatML with Qwen3's think blocks: an assistant turn after the last user turn (a tool-calling
+# round) carries its ``reasoning_content``; enable_thinking=false closes an empty block at once.
+QWEN3_THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_query_index=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query_index = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set content = message.content or '' %}{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}"
+    "{%- elif '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and reasoning_content %}"
+    "{{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + (message.content or '') + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+# ChatML as DeepSeek-R1 distills render it: earlier answers lose their thinking, and the
+# generation prompt opens <think>, so the output starts inside it.
+R1_THINKING_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}{%- set content = message.content or '' %}"
+    "{{- '<|im_start|>assistant\n' + content.split('</think>')[-1] + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + (message.content or '') + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n<think>\n' }}{%- endif %}"
+)
+
+# Tokenizers with think blocks: (chat template, how <think> and </think> are tokens: "added" as
+# real Qwen3 and R1 have them, "special" (skip_special_tokens drops them) or "text" (plain BPE)).
+THINKING = {
+    "qwen3": (QWEN3_THINKING_TEMPLATE, "added"),
+    "qwen3_special": (QWEN3_THINKING_TEMPLATE, "special"),
+    "r1": (R1_THINKING_TEMPLATE, "added"),
+    "r1_text": (R1_THINKING_TEMPLATE, "text"),
+}
+
 _CORPUS = """
 A request decodes thousands of tokens while it reasons about a problem. Each step
 depends on the steps before it: first we read the statement, then we compute the
@@ -49,9 +92,10 @@ SHAPES = {
 }
 
 
-def build_tokenizer(vocab_size: int = 384):
-    """A byte-level BPE tokenizer (any text round-trips) with ChatML special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(vocab_size: int = 384, thinking: str | None = None):
+    """A byte-level BPE tokenizer (any text round-trips) with ChatML special tokens; ``thinking``
+    (a key of ``THINKING``): a chat template with think blocks, and <think>, </think> as tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -60,8 +104,16 @@ def build_tokenizer(vocab_size: int = 384):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([_CORPUS] * 4, trainer)
+    template = CHATML_TEMPLATE
+    if thinking is not None:
+        if thinking not in THINKING:
+            raise ValueError(f"unknown thinking tokenizer {thinking!r}; choose from {sorted(THINKING)}")
+        template, tags = THINKING[thinking]
+        if tags != "text":  # added after training: the other tokens keep their ids
+            tok.add_tokens([AddedToken(t, special=tags == "special", normalized=False)
+                            for t in ("<think>", "</think>")])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, chat_template=CHATML_TEMPLATE)
+                                   bos_token=None, chat_template=template)
 
 
 def hf_config(arch: str = "qwen3", shape: str = "tiny", vocab_size: int | None = None, **overrides):
@@ -91,10 +143,11 @@ def hf_config(arch: str = "qwen3", shape: str = "tiny", vocab_size: int | None =
 
 def make_checkpoint(path: str, arch: str = "qwen3", shape: str = "tiny", dtype: torch.dtype = torch.float32,
                     seed: int = 0, with_weights: bool = True, max_shard_size: str | None = None,
-                    **overrides) -> str:
-    """Write config.json, tokenizer files and (optionally) random safetensors weights to ``path``."""
+                    thinking: str | None = None, **overrides) -> str:
+    """Write config.json, tokenizer files and (optionally) random safetensors weights to ``path``;
+    ``thinking``: the tokenizer's (``build_tokenizer``)."""
     os.makedirs(path, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(thinking=thinking)
     vocab = None if "vocab_size" in SHAPES[shape] else len(tokenizer)
     config = hf_config(arch, shape, vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
                        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **overrides)
