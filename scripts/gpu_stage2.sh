@@ -27,22 +27,16 @@
 #   tp-bench            full and Zipage at TP (default 2), reasoning-8k at SCALE
 #   serve               online benchmark, MODE=full|zipage, Qwen3-8B shape, 12 GB KV cache
 # Each part leaves one archive OUT/PART.tgz (results and log), split into 15 MB pieces if larger.
-# Measured wall times on an H200 (engine start included): full8k at SCALE=0.75 about 400 s; full16k at
-# SCALE=0.5 about 370 s; zipage8k at 0.75 about 265 s; zipage16k at 0.5 about 200 s; train 535 s
-# (MINUTES=9.2); serve about 200 s per mode (RATES=2,8,inf NREQ=64); eval about 150 s per variant;
-# tp-test 155 s (ZIPAGE_TP_TIMEOUT_S bounds its engine part); tp-bench at SCALE=0.25 about 250 s at
-# TP=2 and 200 s at TP=1. Runs before the GPU trace's summary was made linear spent up to 80 s more
-# after their last step. With asynchronous scheduling: whole8k at SCALE=0.75 about 395 s, zipage8k
-# at 0.75 about 215 s; sweep-budget at SCALE=0.4 took 545 s on a cold machine (before it); sweep-block
-# at 0.4 needs more than 330 s and eager more than 215 s (both cut short there). Sixth session: full8k at
-# SCALE=1 (the standard run) 490 s with its start, zipage8k at SCALE=1 265 s, full8k at 0.75 325 s, full16k
-# at 0.5 300 s, zipage16k at 0.5 175 s, verify 110 s of tests plus the kernel bench. Seventh session:
-# zipage8k at SCALE=1 about 275 s with its start; sweep-block at 0.4 about 140 s for block=64 and more
-# than 170 s for block=128 (give each LIMIT=300); eager at its default scale about 250 s for
-# MODES=full,full+eager and 240 s for zipage,zipage+eager (the graphs-off run is most of it). Eighth
-# session: verify 146 s, compression 53 s, full8k at SCALE=1 about 520 s, zipage8k at 1 287 s, zipage16k
-# at 1 353 s, full16k at 1 with MAX_S=450 about 500 s (the whole run would take about 15 minutes),
-# sweep-block at 0.4 145 s for block=128; tp-test needs more than 162 s.
+# Measured wall times on an H200, engine start included (the latest build's where several exist):
+# full8k at SCALE=1 (the standard run) about 520 s, at 0.75 about 325-400 s; zipage8k at 1 about
+# 265-290 s, at 0.75 about 215-265 s; full16k at 0.5 about 300-370 s, at 1 with MAX_S=450 about 500 s
+# (the whole run would take about 15 minutes); zipage16k at 0.5 about 175-200 s, at 1 about 353 s;
+# train 535 s (MINUTES=9.2); serve about 200 s per mode (RATES=2,8,inf NREQ=64); eval about 150 s per
+# variant; verify about 110-146 s; compression 53 s; tp-test more than 162 s (ZIPAGE_TP_TIMEOUT_S
+# bounds its engine part); tp-bench at SCALE=0.25 about 250 s at TP=2 and 200 s at TP=1;
+# sweep-budget at SCALE=0.4 up to 545 s on a cold machine; sweep-block at 0.4 about 140 s for
+# block=64 and more than 170 s for block=128 (give each LIMIT=300); eager at its default scale about
+# 250 s for MODES=full,full+eager and 240 s for zipage,zipage+eager (the graphs-off run is most of it).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$(pwd)
 OUT=${OUT:-out}

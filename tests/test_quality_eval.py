@@ -171,14 +171,22 @@ def test_math_command_end_to_end(checkpoint_dir, tmp_path, one_thread):
 
 
 def test_demo_runs_the_trained_model(one_thread, capsys):
-    """`zipage demo` on two problems: the committed checkpoint solves them with full KV, the
-    compressed run holds its KV under the full run's, and the engine equals transformers."""
+    """`zipage demo` on two problems: the committed checkpoint solves them with full KV, both
+    compressed runs hold their KV under the full run's, the output explains the task, the
+    columns and the budget's unit, ends with a verdict, and the engine equals transformers."""
     from zipage.cli import main
     from zipage.demo import CHECKPOINT
 
-    assert main(["demo", "--num-problems", "2", "--check", "1", "--check-tokens", "16"]) == 0
+    assert main(["demo", "--num-problems", "2", "--check", "1", "--check-tokens", "16", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "| full KV | 1.000 | 1.000 |" in out  # the trained model solves both
+    peak = {line.split("|")[1].strip(): float(line.split("|")[4].split()[0])
+            for line in out.splitlines() if line.startswith("| full KV |") or line.startswith("| Zipage, ")}
+    assert set(peak) == {"full KV", "Zipage, published defaults", "Zipage, tuned for this task"}
+    assert max(peak["Zipage, published defaults"], peak["Zipage, tuned for this task"]) < peak["full KV"]
+    assert "tokens per layer and KV head" in out and "Task:" in out and "correct prefix:" in out
     assert "greedy tokens equal to transformers' generate: 1/1" in out
+    verdict = [line for line in out.splitlines() if line.startswith("Verdict: with ")]
+    assert len(verdict) == 1 and "less KV memory per request" in verdict[0] and "(full KV: 2/2)" in verdict[0]
     with open(os.path.join(CHECKPOINT, "training.json")) as f:
         assert json.load(f)["held_out"]["accuracy"] >= 0.9

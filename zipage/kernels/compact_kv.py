@@ -43,8 +43,8 @@ COMPACT_SCRATCH_BYTES = 256 << 20
 # Single pass: tokens per tile and warps of the one program per (request, layer, head). Timed on an
 # H200 (32 requests x 8 layers x 8 heads, keep 2,048 of 2,304, head_dim 128): 16 to 128 tokens on 4 or
 # 8 warps all move 3.7-3.8 TB/s. Compiled for sm_90 (bf16, head_dim 128), 32 tokens on 8 warps take
-# 128 registers a thread and no stack; 128 tokens on 8 warps (the standard run of the seventh
-# session) 255 registers and 656 bytes of spills, which leaves no room on the SM for decode kernels.
+# 128 registers a thread and no stack; 128 tokens on 8 warps (as the standard
+# run once used) 255 registers and 656 bytes of spills, which leaves no room on the SM for decode kernels.
 SINGLE_PASS_TOKENS = 32
 SINGLE_PASS_NUM_WARPS = 8
 
