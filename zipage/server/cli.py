@@ -79,7 +79,7 @@ def add_serve_parser(sub) -> None:
     h.add_argument("--write-timeout", type=float, default=c.write_timeout_s,
                    help="seconds a client may read none of its response before it is cut off (default %(default)s)")
     h.add_argument("--max-header-bytes", type=int, default=c.max_header_bytes,
-                   help="largest request line and headers; past it, 400 (default %(default)s)")
+                   help="largest request line and headers; past it, 431 and close (default %(default)s)")
     h.add_argument("--backlog", type=int, default=c.backlog,
                    help="connections the kernel queues before they are accepted (default %(default)s)")
     add_engine_args(p)

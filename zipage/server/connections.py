@@ -15,6 +15,7 @@ file descriptors), and answering a client that half-closes its socket after its 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import resource
 import time
@@ -104,18 +105,19 @@ class _RateLimitedLog:
 _log_refused = _RateLimitedLog("refused a connection: max_connections=%d are open")
 _accept_errors = _RateLimitedLog("accepting a connection failed: %s")
 
-BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s")
-BUSY_BODY = (b'{"error": {"message": "the server has too many open connections; retry later", '
-             b'"type": "server_error", "param": null, "code": "too_many_connections"}}')
-TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-             b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
-TOO_LARGE_BODY = (b'{"error": {"message": "the request line and headers exceed the server\'s limit", '
-                  b'"type": "invalid_request_error", "param": null, "code": "headers_too_large"}}')
-TOO_SLOW = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n%s")
-TOO_SLOW_BODY = (b'{"error": {"message": "the request headers did not arrive in time", '
-                 b'"type": "invalid_request_error", "param": null, "code": "request_timeout"}}')
+def _reply(status: str, message: str, error_type: str, code: str, headers: str = "") -> bytes:
+    """A whole HTTP response with an OpenAI-style error body, for a connection about to be closed."""
+    body = json.dumps({"error": {"message": message, "type": error_type, "param": None, "code": code}}).encode()
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n{headers}"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+BUSY = _reply("503 Service Unavailable", "the server has too many open connections; retry later", "server_error",
+              "too_many_connections", "retry-after: 1\r\n")
+TOO_LARGE = _reply("431 Request Header Fields Too Large", "the request line and headers exceed the server's limit",
+                   "invalid_request_error", "headers_too_large")
+TOO_SLOW = _reply("408 Request Timeout", "the request headers did not arrive in time", "invalid_request_error",
+                  "request_timeout")
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -139,8 +141,7 @@ class GuardedH11Protocol(H11Protocol):
         if len(self.connections) >= self.max_connections:
             self._refused = True
             _log_refused(self.max_connections)
-            transport.write(BUSY % (len(BUSY_BODY), BUSY_BODY))
-            transport.close()
+            _answer_and_close(transport, BUSY)
             return
         super().connection_made(transport)
         self._arm_header_timer()
@@ -150,8 +151,7 @@ class GuardedH11Protocol(H11Protocol):
             return
         if self._awaiting_request() and not self._head_fits(data):
             self._ignoring = True
-            self.transport.write(TOO_LARGE % (len(TOO_LARGE_BODY), TOO_LARGE_BODY))
-            self.transport.close()
+            _answer_and_close(self.transport, TOO_LARGE)
             return
         super().data_received(data)
         if self._awaiting_request():
@@ -224,8 +224,12 @@ class GuardedH11Protocol(H11Protocol):
         self._header_timer = None
         if self.transport.is_closing() or not self._awaiting_request():
             return
-        self.transport.write(TOO_SLOW % (len(TOO_SLOW_BODY), TOO_SLOW_BODY))
-        self.transport.close()
+        _answer_and_close(self.transport, TOO_SLOW)
+
+
+def _answer_and_close(transport, reply: bytes) -> None:
+    transport.write(reply)
+    transport.close()
 
 
 def log_accept_errors_at_a_bounded_rate(loop: asyncio.AbstractEventLoop):
