@@ -271,7 +271,8 @@ def test_a_trusted_slow_template_renders_off_the_event_loop(lenient):
         time.sleep(0.02)
     thread.join()
     assert result["response"].status_code == 200, result["response"].text
-    assert time.perf_counter() - started > 1.0 and len(latencies) >= 3  # the template did take a while
+    # The template did take a while (about a second here; its speed varies with the machine).
+    assert time.perf_counter() - started > 0.5 and len(latencies) >= 3
     # Answered all along (the render shares the interpreter with the loop, and with this test's client).
     assert sorted(latencies)[len(latencies) // 2] < 100 and max(latencies) < 500
     assert_unharmed(lenient)
