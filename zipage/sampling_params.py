@@ -22,6 +22,8 @@ class SamplingParams:
     ``presence_penalty`` once if it occurs there.
     ``logprobs=k``: each output token's log probability, its rank, and the ``k`` most likely
     tokens' (``CompletionOutput.logprobs``); ``k`` in ``[0, MAX_LOGPROBS]``, None for none.
+    ``structured_outputs``: what the output must match (a JSON schema, a regular expression, a
+    choice, a grammar; ``zipage.structured.StructuredOutputsParams`` or a dict of its fields).
     """
 
     temperature: float = 1.0
@@ -42,6 +44,7 @@ class SamplingParams:
     kv_budget_tokens: int | None = None  # this request's compression budget (None: the engine's)
     compression: bool = True  # False: full KV for this request (never compressed)
     logprobs: int | None = None  # alternatives per output token (None: no logprobs)
+    structured_outputs: object = None  # zipage.structured.StructuredOutputsParams, or None
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  min_p: float = 0.0, max_tokens: int | None = 16, min_tokens: int = 0,
@@ -51,7 +54,7 @@ class SamplingParams:
                  seed: int | None = None, repetition_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  kv_budget_tokens: int | None = None, compression: bool = True,
-                 logprobs: int | None = None, **unknown):
+                 logprobs: int | None = None, structured_outputs=None, **unknown):
         if unknown:
             allowed = ", ".join(f.name for f in fields(self))
             raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; allowed: {allowed}")
@@ -104,6 +107,7 @@ class SamplingParams:
                              "asks for full KV: give one of them")
         self.kv_budget_tokens = kv_budget_tokens
         self.compression = compression
+        self.structured_outputs = _structured(structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -122,6 +126,21 @@ class ParameterError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+def _structured(value):
+    """``structured_outputs`` as ``StructuredOutputsParams`` (a dict of its fields is accepted)."""
+    from zipage.structured import StructuredOutputsParams  # imports this module
+
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        try:
+            return StructuredOutputsParams(**value)
+        except TypeError as error:
+            raise ValueError(f"structured_outputs: {error}") from None
+    raise ValueError(f"structured_outputs must be StructuredOutputsParams, a dict of its fields or None, "
+                     f"got {type(value).__name__}")
 
 
 def _is_int(value) -> bool:

@@ -17,6 +17,7 @@ import functools
 import itertools
 import logging
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -119,6 +120,8 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._streamed: dict[str, int] = {}  # streamed request id -> output token ids returned so far
         # a token's text alone, for log probabilities (cached: the same few thousand recur)
+        self._grammar_compiler = None  # structured output (built at first use)
+        self._grammar_lock = threading.Lock()
         self._token_text = functools.lru_cache(maxsize=1 << 16)(
             lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False))
 
@@ -176,8 +179,28 @@ class LLMEngine:
         if params.logprobs is not None and not getattr(self.runner, "supports_logprobs", False):
             raise ValueError(f"logprobs={params.logprobs}: this engine's runner ({type(self.runner).__name__}) "
                              "does not compute log probabilities")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar_compiler().matcher(params.structured_outputs)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        return Sequence(request_id, text, token_ids, params, max_tokens, seed)
+        seq = Sequence(request_id, text, token_ids, params, max_tokens, seed)
+        seq.grammar = grammar
+        return seq
+
+    def grammar_compiler(self):
+        """The engine's ``zipage.structured.GrammarCompiler`` (built at first use; thread-safe, so
+        a server may compile a request's grammar ahead, off the engine's thread)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if not getattr(self.runner, "supports_structured_outputs", False):
+                    raise ValueError(f"structured_outputs: this engine's runner ({type(self.runner).__name__}) "
+                                     "does not apply token bitmasks")
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs needs the checkpoint's tokenizer, and this one has none")
+                from zipage.structured import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+            return self._grammar_compiler
 
     def add_sequence(self, seq: Sequence, stream: bool = False) -> None:
         """Queue a prepared request. With ``stream``, ``step`` also returns its progress (see ``step``)."""
@@ -325,24 +348,41 @@ class LLMEngine:
 
     def _run_ahead(self, batch: ScheduledBatch, stats: StepStats, async_callback) -> float:
         """Launch the step's forward, then hand out the tokens of the step before it (asynchronous
-        scheduling); return host seconds spent handing them out."""
+        scheduling); return host seconds spent handing them out.
+
+        A request with a grammar needs its pending token accepted before its next bitmask: the
+        step's forward is queued first, then the step before it is collected, then its sampler
+        is queued (``zipage/structured.py``)."""
         previous = self._launched
+        defer = previous is not None and any(seq.grammar is not None and seq.num_pending for seq in batch.seqs)
+        handed_out = 0.0
         try:
-            handle = self.runner.launch(batch.seqs, batch.is_prefill, self.eos_token_ids,
-                                        previous=previous.handle if previous is not None else None)
+            if defer:
+                handle = self.runner.launch(batch.seqs, batch.is_prefill, self.eos_token_ids,
+                                            previous=previous.handle, defer_sampling=True)
+                self._launched, collected, previous = None, previous, None
+                handed_out = self._timed_collect(collected)  # its tokens: the grammars' next input
+                self.runner.sample(handle)
+            else:
+                handle = self.runner.launch(batch.seqs, batch.is_prefill, self.eos_token_ids,
+                                            previous=previous.handle if previous is not None else None)
         except Exception as error:  # noqa: BLE001 - contained to the step's requests
             self._fail(batch.seqs, batch.cache_entries, error, self._step_name(batch))
-            if previous is not None:  # a request this schedule preempted may hold a token of it, and be
+            if self._launched is not None:  # a request this schedule preempted may hold a token of it, and be
                 self._collect_launched()  # readmitted (prefilled from all its tokens) by the next schedule
-            return 0.0
+            return handed_out
         self._launched = InFlightStep(handle, batch.seqs, batch.cache_entries)
         self._count_launched(batch, stats)
         if async_callback is not None:
             async_callback()
         if previous is None:
-            return 0.0
+            return handed_out
+        return self._timed_collect(previous, self._launched)
+
+    def _timed_collect(self, launched: InFlightStep, next_step: InFlightStep | None = None) -> float:
+        """``_collect``; return the host seconds it spent, the wait for the device left out."""
         finished_at, waited = time.perf_counter(), self._waited_s
-        self._collect(previous, self._launched)
+        self._collect(launched, next_step)
         return time.perf_counter() - finished_at - (self._waited_s - waited)
 
     @staticmethod
@@ -413,6 +453,8 @@ class LLMEngine:
             try:
                 if seq.logprobs is not None:
                     seq.logprobs.append(self._with_text(token_ids.logprobs[row]))
+                if seq.grammar is not None:
+                    seq.grammar.accept(token_id)
                 reason = self._stop_reason(seq, token_id)
             except Exception as error:  # noqa: BLE001 - e.g. a tokenizer failing on this output
                 self._fail([seq], [], error, "processing an output token")
@@ -446,6 +488,8 @@ class LLMEngine:
             stop = detok.update(token_id)
             if stop is not None:
                 return "stop", stop
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            return "stop", None  # the output is complete (only its end token is allowed, even with ignore_eos)
         if num_output >= seq.max_tokens:
             return "length", None
         return None

@@ -60,6 +60,7 @@ class Sequence:
         self.error: str | None = None  # with finish_reason "error": what failed
         # SamplingParams.logprobs: one {token id: Logprob} per output token in token_ids
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        self.grammar = None  # SamplingParams.structured_outputs: its matcher (zipage.structured.RequestGrammar)
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
 
     @property

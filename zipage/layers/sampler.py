@@ -5,7 +5,9 @@ picks token i with probability p_i). ``E`` is a hash of (request seed, output
 index, token id), so a request's samples depend only on its own seed and position:
 reproducible whatever else shares the batch, and the same after preemption.
 
-Penalties read per-request token counts kept on the device (``runner/penalties.py``).
+Penalties read per-request token counts kept on the device (``runner/penalties.py``);
+structured output masks each constrained row with its grammar's token bitmask
+(``zipage/structured.py``) after penalties and bans, before temperature and the draw.
 
 Log probabilities are computed here too, on the device and for the rows that ask only:
 ``log_softmax`` of the model's logits (``logprobs_mode="raw"``) or of the logits the
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zipage.layers.fusion import fused
+from zipage.structured import apply_token_bitmask
 
 if TYPE_CHECKING:
     from zipage.runner.penalties import PenaltyState
@@ -95,6 +98,10 @@ class SamplingTensors:
     # (top k) any of them wants.
     logprob_rows: torch.Tensor | None = None
     max_logprobs: int = 0
+    # Structured output: the token bitmasks ([G, ceil(vocab / 32)] int32, a set bit allows its token)
+    # of the G constrained rows ([G] int64); see zipage/structured.py.
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -188,7 +195,7 @@ class Sampler:
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The tokens, and the logits they were drawn from as ``processed / scale[:, None]`` (``scale``
         None: 1), so that the division is done only for rows that want processed logprobs."""
-        if st.all_greedy and st.penalty_rows is None and st.banned_rows is None:
+        if st.all_greedy and st.penalty_rows is None and st.banned_rows is None and st.bitmask is None:
             # Converting to float32 keeps the order (and the first of equal values wins either
             # way): skip the copy of the whole [batch, vocab] logits.
             return logits.argmax(dim=-1), logits, None
@@ -199,6 +206,8 @@ class Sampler:
             # torch.full, not torch.tensor: a host value copied to the device would wait for its queue
             logits = logits.index_put((st.banned_rows, st.banned_tokens),
                                       torch.full((), float("-inf"), device=logits.device))
+        if st.bitmask is not None:
+            logits = apply_token_bitmask(logits, st.bitmask, st.bitmask_rows)
         greedy = logits.argmax(dim=-1)
         if st.all_greedy:
             return greedy, logits, None

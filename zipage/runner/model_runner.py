@@ -27,7 +27,7 @@ from zipage.layers.sampler import SampledLogprobs, Sampler
 from zipage.models.registry import build_model
 from zipage.outputs import Logprob, PositionLogprobs
 from zipage.runner.cuda_graph import DecodeGraphs
-from zipage.runner.inputs import InputBuilder, ModelInputs, StepShape, sampling_tensors
+from zipage.runner.inputs import InputBuilder, ModelInputs, StepShape, _on_device, sampling_tensors
 from zipage.runner.penalties import PenaltyState
 from zipage.compression.executor import Compressor
 from zipage.compression.graphs import CompressionGraphs
@@ -61,15 +61,24 @@ class StepTokens(list):
 
 class LaunchedStep:
     """A step queued on the device: its requests and its sampled tokens (and log probabilities,
-    where asked), which are copied to the host as soon as the device has them."""
+    where asked), which are copied to the host as soon as the device has them.
 
-    def __init__(self, device: torch.device, seqs: list[Sequence], tokens: torch.Tensor,
-                 logprobs: SampledLogprobs | None = None):
+    A step whose sampling waits for the host (``ModelRunner.launch(defer_sampling=True)``) holds
+    its logits and sampling settings until ``ModelRunner.sample`` queues the sampler."""
+
+    def __init__(self, device: torch.device, seqs: list[Sequence]):
+        self.device = device
         self.seqs = seqs
-        self.tokens = tokens  # on the device: the next step's inputs
+        self.tokens: torch.Tensor | None = None  # on the device: the next step's inputs
+        self.unsampled: tuple | None = None  # (logits, SamplingTensors, trace mark) until sampled
+        self._host, self._ready = None, None
+
+    def sampled(self, tokens: torch.Tensor, logprobs: SampledLogprobs | None) -> None:
+        """The sampler is queued: start copying its results to the host."""
+        self.tokens, self.unsampled = tokens, None
         results = [tokens] if logprobs is None else [tokens, logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
-        self._host, self._ready = results, None
-        if device.type == "cuda":
+        self._host = results
+        if self.device.type == "cuda":
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in results]
             for host, result in zip(self._host, results):
                 host.copy_(result, non_blocking=True)
@@ -82,6 +91,7 @@ class LaunchedStep:
         return {seq: i for i, seq in enumerate(self.seqs)}
 
     def token_ids(self) -> StepTokens:
+        assert self.unsampled is None and self._host is not None, "a deferred step must be sampled first"
         if self._ready is not None:
             self._ready.synchronize()
         tokens = StepTokens(self._host[0].tolist())
@@ -109,6 +119,7 @@ class ModelRunner:
 
     supports_async_scheduling = True  # ``launch`` / ``collect``: a step may start before the last one's tokens are read
     supports_logprobs = True  # ``StepTokens.logprobs`` for requests with ``SamplingParams.logprobs``
+    supports_structured_outputs = True  # token bitmasks of requests with a grammar (``launch``, ``sample``)
 
     def __init__(self, config: EngineConfig, hf_config, rank: int = 0):
         self.config = config
@@ -179,6 +190,9 @@ class ModelRunner:
                 self.compressor.graphs = CompressionGraphs(self.compressor, min(self.num_query_slots, per_batch))
                 self.compressor.graphs.capture()
         self.last_prepare_s = 0.0  # host time of the last step's input preparation
+        self._bitmask: torch.Tensor | None = None  # host rows of the constrained requests' token bitmasks
+        self._bitmask_read: torch.cuda.Event | None = None  # their last copy to the device is done
+        self._bitmask_filler = None
         self._inputs_read: torch.cuda.Event | None = None  # the last step's host-to-device copies are done
         self.compression_stream = None
         self.trace: GpuTrace | None = None
@@ -290,10 +304,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int],
-               shape: StepShape | None = None, previous: "LaunchedStep | None" = None) -> "LaunchedStep":
+               shape: StepShape | None = None, previous: "LaunchedStep | None" = None,
+               defer_sampling: bool = False) -> "LaunchedStep":
         """Queue one step for ``seqs`` on the device without waiting for it; ``collect`` gives
         its tokens. ``previous``: the step still in flight, whose sampled tokens are the inputs
-        of the requests that have a pending token."""
+        of the requests that have a pending token.
+
+        ``defer_sampling``: queue the forward only; the caller gives the constrained requests'
+        matchers their pending tokens, then calls ``sample`` (``zipage/structured.py``)."""
         start = time.perf_counter()
         if self._inputs_read is not None:  # the host buffers are refilled below: their last copies must be done
             self._inputs_read.synchronize()
@@ -309,12 +327,50 @@ class ModelRunner:
             self._inputs_read = torch.cuda.Event()
             self._inputs_read.record()
         self.last_prepare_s = time.perf_counter() - start
-        begin = self.trace.mark() if self.trace else None
-        token_ids, logprobs = self.sampler.sample(self.logits(inputs), st)
+        step = LaunchedStep(self.device, seqs)
+        step.unsampled = (self.logits(inputs), st, self.trace.mark() if self.trace else None)
+        if not defer_sampling:
+            self._sample(step)
+        return step
+
+    @torch.inference_mode()
+    def sample(self, step: "LaunchedStep") -> None:
+        """Queue the sampler of a step launched with ``defer_sampling``."""
+        start = time.perf_counter()
+        self._sample(step)
+        self.last_prepare_s += time.perf_counter() - start
+
+    def _sample(self, step: "LaunchedStep") -> None:
+        logits, st, begin = step.unsampled
+        constrained = [(row, seq.grammar) for row, seq in enumerate(step.seqs)
+                       if seq.grammar is not None and not seq.is_finished and not seq.grammar.is_terminated]
+        if constrained:
+            self._add_bitmask(st, constrained)
+        token_ids, logprobs = self.sampler.sample(logits, st)
         self.penalties.add_sampled(st, token_ids)  # queued before any later step reads the counts
         if self.trace:
             self.trace.steps.append((begin, self.trace.mark()))
-        return LaunchedStep(self.device, seqs, token_ids, logprobs)
+        step.sampled(token_ids, logprobs)
+
+    def _add_bitmask(self, st, constrained: list) -> None:
+        """Fill the constrained rows' bitmasks on the host and queue their copy to the device."""
+        if self._bitmask is None:
+            from zipage.structured import BitmaskFiller
+
+            width = -(-self.vocab_size // 32)
+            max_rows = self.config.scheduler.max_num_seqs
+            self._bitmask = torch.zeros(max_rows, width, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._bitmask_filler = BitmaskFiller()
+        if self._bitmask_read is not None:  # the rows are refilled: their last copy must be done
+            self._bitmask_read.synchronize()
+        rows, grammars = zip(*constrained)
+        self._bitmask_filler.fill(list(grammars), self._bitmask)
+        host = self._bitmask[:len(rows)]
+        st.bitmask = host.clone() if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
+        st.bitmask_rows = _on_device(list(rows), torch.int64, self.device)
+        if self.device.type == "cuda":
+            self._bitmask_read = torch.cuda.Event()
+            self._bitmask_read.record()
 
     def forget(self, seqs: list[Sequence]) -> None:
         """The engine no longer runs these requests (finished, aborted or preempted): drop their
