@@ -24,6 +24,8 @@ class SamplingParams:
     tokens' (``CompletionOutput.logprobs``); ``k`` in ``[0, MAX_LOGPROBS]``, None for none.
     ``structured_outputs``: what the output must match (a JSON schema, a regular expression, a
     choice, a grammar; ``zipage.structured.StructuredOutputsParams`` or a dict of its fields).
+    ``thinking_token_budget=N``: at most N tokens of thinking (between ``<think>`` and
+    ``</think>``); the next one is ``</think>``, forced, and the answer follows.
     """
 
     temperature: float = 1.0
@@ -45,6 +47,7 @@ class SamplingParams:
     compression: bool = True  # False: full KV for this request (never compressed)
     logprobs: int | None = None  # alternatives per output token (None: no logprobs)
     structured_outputs: object = None  # zipage.structured.StructuredOutputsParams, or None
+    thinking_token_budget: int | None = None  # most tokens between <think> and </think> (None: no limit)
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  min_p: float = 0.0, max_tokens: int | None = 16, min_tokens: int = 0,
@@ -54,7 +57,8 @@ class SamplingParams:
                  seed: int | None = None, repetition_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  kv_budget_tokens: int | None = None, compression: bool = True,
-                 logprobs: int | None = None, structured_outputs=None, **unknown):
+                 logprobs: int | None = None, structured_outputs=None,
+                 thinking_token_budget: int | None = None, **unknown):
         if unknown:
             allowed = ", ".join(f.name for f in fields(self))
             raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; allowed: {allowed}")
@@ -108,6 +112,10 @@ class SamplingParams:
         self.kv_budget_tokens = kv_budget_tokens
         self.compression = compression
         self.structured_outputs = _structured(structured_outputs)
+        if thinking_token_budget is not None and not (_is_int(thinking_token_budget) and thinking_token_budget >= 0):
+            raise ValueError(f"thinking_token_budget must be None (no limit) or an integer >= 0, "
+                             f"got {thinking_token_budget!r}")
+        self.thinking_token_budget = thinking_token_budget
 
     @property
     def greedy(self) -> bool:

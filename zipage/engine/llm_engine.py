@@ -179,6 +179,8 @@ class LLMEngine:
         if params.logprobs is not None and not getattr(self.runner, "supports_logprobs", False):
             raise ValueError(f"logprobs={params.logprobs}: this engine's runner ({type(self.runner).__name__}) "
                              "does not compute log probabilities")
+        if params.thinking_token_budget is not None:
+            self._configure_thinking(params)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammar_compiler().matcher(params.structured_outputs)
@@ -186,6 +188,27 @@ class LLMEngine:
         seq = Sequence(request_id, text, token_ids, params, max_tokens, seed)
         seq.grammar = grammar
         return seq
+
+    def _configure_thinking(self, params: SamplingParams) -> None:
+        """Give the runner the tokenizer's <think> and </think> ids, or say why a budget cannot work."""
+        budget = params.thinking_token_budget
+        if not getattr(self.runner, "supports_thinking_budget", False):
+            raise ValueError(f"thinking_token_budget={budget}: this engine's runner ({type(self.runner).__name__}) "
+                             "does not apply thinking budgets")
+        thinking = self.runner.thinking
+        if thinking.start_id is None:
+            ids = [self._single_token(t) for t in ("<think>", "</think>")] if self.tokenizer is not None else []
+            if len(ids) != 2 or None in ids:
+                raise ValueError(f"thinking_token_budget={budget}: this model's tokenizer has no <think> and "
+                                 "</think> tokens, so there is no thinking to limit")
+            thinking.configure(*ids)
+
+    def _single_token(self, text: str) -> int | None:
+        """The id of ``text`` if the tokenizer holds it as one token, else None."""
+        token_id = self.tokenizer.convert_tokens_to_ids(text)
+        if token_id is None or token_id == self.tokenizer.unk_token_id or token_id >= self.vocab_size:
+            return None
+        return token_id
 
     def grammar_compiler(self):
         """The engine's ``zipage.structured.GrammarCompiler`` (built at first use; thread-safe, so

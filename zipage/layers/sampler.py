@@ -27,6 +27,7 @@ from zipage.structured import apply_token_bitmask
 
 if TYPE_CHECKING:
     from zipage.runner.penalties import PenaltyState
+    from zipage.runner.thinking import ThinkingBudgets
 
 _MASK64 = (1 << 64) - 1
 
@@ -102,6 +103,10 @@ class SamplingTensors:
     # of the G constrained rows ([G] int64); see zipage/structured.py.
     bitmask: torch.Tensor | None = None
     bitmask_rows: torch.Tensor | None = None
+    # Thinking budgets: the rows of requests with one ([T] int64) and their rows of the budget
+    # state ([T] int64); see runner/thinking.py.
+    thinking_rows: torch.Tensor | None = None
+    thinking_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -166,22 +171,28 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k, top_p, min_p) -> torch.
 
 
 class Sampler:
-    def __init__(self, penalties: PenaltyState | None = None, logprobs_mode: str = "raw"):
+    def __init__(self, penalties: PenaltyState | None = None, logprobs_mode: str = "raw",
+                 thinking: ThinkingBudgets | None = None):
         """``penalties``: the runner's ``PenaltyState``, whose rows penalised requests read.
-        ``logprobs_mode``: "raw" or "processed" (see the module's docstring)."""
+        ``logprobs_mode``: "raw" or "processed" (see the module's docstring). ``thinking``: the
+        runner's ``ThinkingBudgets``, which replaces a sampled token by the end of thinking where a
+        request's budget is spent (the log probabilities are then the forced token's)."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         self.penalties = penalties
         self.logprobs_mode = logprobs_mode
+        self.thinking = thinking
 
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         """Next token id of every row [batch] (int64)."""
-        return self._sample(logits, st)[0]
+        return self.sample(logits, st)[0]
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """Next token id of every row [batch] (int64), and the log probabilities of the rows of
         ``st.logprob_rows`` (None if none asked)."""
         tokens, processed, scale = self._sample(logits, st)
+        if st.thinking_rows is not None:
+            tokens = self.thinking.force(st, tokens)
         if st.logprob_rows is None:
             return tokens, None
         rows = st.logprob_rows

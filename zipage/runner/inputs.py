@@ -184,9 +184,11 @@ def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 
 
 def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[int], device: torch.device,
-                     penalty_rows: Mapping[Sequence, int] | None = None) -> SamplingTensors:
+                     penalty_rows: Mapping[Sequence, int] | None = None,
+                     thinking_rows: Mapping[Sequence, int] | None = None) -> SamplingTensors:
     """Per-row sampling settings for ``seqs``; optional parts only when some row uses them.
-    ``penalty_rows``: the penalty-state row of each request with penalties (``runner/penalties.py``)."""
+    ``penalty_rows``: the penalty-state row of each request with penalties (``runner/penalties.py``);
+    ``thinking_rows``: the budget-state row of each request with a thinking budget (``runner/thinking.py``)."""
     params = [s.sampling_params for s in seqs]
     all_greedy = all(p.temperature == 0.0 for p in params)
 
@@ -224,6 +226,12 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[i
     if wanted:
         st.logprob_rows = _on_device(wanted, torch.int64, device)
         st.max_logprobs = max(params[i].logprobs for i in wanted)
+    budgeted = [i for i, p in enumerate(params) if p.thinking_token_budget is not None]
+    if budgeted:
+        index = [(thinking_rows or {}).get(seqs[i], -1) for i in budgeted]
+        if -1 in index:
+            raise RuntimeError(f"{seqs[budgeted[index.index(-1)]]} has a thinking budget but no budget row")
+        st.thinking_rows, st.thinking_index = _on_device([budgeted, index], torch.int64, device).unbind(0)
     return st
 
 

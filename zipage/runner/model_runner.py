@@ -29,6 +29,7 @@ from zipage.outputs import Logprob, PositionLogprobs
 from zipage.runner.cuda_graph import DecodeGraphs
 from zipage.runner.inputs import InputBuilder, ModelInputs, StepShape, _on_device, sampling_tensors
 from zipage.runner.penalties import PenaltyState
+from zipage.runner.thinking import ThinkingBudgets
 from zipage.compression.executor import Compressor
 from zipage.compression.graphs import CompressionGraphs
 from zipage.runner.trace import GpuTrace
@@ -120,6 +121,7 @@ class ModelRunner:
     supports_async_scheduling = True  # ``launch`` / ``collect``: a step may start before the last one's tokens are read
     supports_logprobs = True  # ``StepTokens.logprobs`` for requests with ``SamplingParams.logprobs``
     supports_structured_outputs = True  # token bitmasks of requests with a grammar (``launch``, ``sample``)
+    supports_thinking_budget = True  # ``SamplingParams.thinking_token_budget`` (``thinking.py``)
 
     def __init__(self, config: EngineConfig, hf_config, rank: int = 0):
         self.config = config
@@ -163,7 +165,8 @@ class ModelRunner:
         if self.penalties is not None:
             logger.info("penalty state: %d rows of %d tokens (%.0f MiB)", sched.max_num_seqs, self.vocab_size,
                         self.penalties.nbytes / 2**20)
-        self.sampler = Sampler(self.penalties, config.logprobs_mode)
+        self.thinking = ThinkingBudgets(sched.max_num_seqs, self.device) if rank == 0 else None
+        self.sampler = Sampler(self.penalties, config.logprobs_mode, self.thinking)
         compression = config.compression
         window = compression.window if compression else None
         if self.device.type == "cuda":
@@ -322,7 +325,9 @@ class ModelRunner:
             inputs.input_ids = self.inputs.previous_tokens(inputs.input_ids, seqs, previous.rows, previous.tokens)
         if shape.is_prefill:
             self.penalties.admit(seqs)
-        st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device, self.penalties.rows)
+            self.thinking.admit(seqs)
+        st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device, self.penalties.rows,
+                              self.thinking.rows)
         if self.device.type == "cuda":
             self._inputs_read = torch.cuda.Event()
             self._inputs_read.record()
@@ -377,6 +382,7 @@ class ModelRunner:
         per-request state. Safe while a step that holds them is in flight (see ``penalties.py``)."""
         if self.penalties is not None:
             self.penalties.release(seqs)
+            self.thinking.release(seqs)
 
     @staticmethod
     def collect(step: "LaunchedStep") -> StepTokens:
