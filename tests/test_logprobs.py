@@ -140,6 +140,38 @@ def test_processed_mode_is_the_distribution_sampled_from(model_dir, hf_logprobs)
         assert sum(math.isfinite(lp.logprob) for lp in position.values()) == 4
 
 
+def test_prompt_logprobs_match_transformers_and_skip_the_prefix_cache(model_dir, monkeypatch):
+    """Every prompt token after the first, against float64 log_softmax of transformers' logits; a
+    prompt longer than one chunk; a one-token prompt; a cached prefix not used; preemption-free."""
+    from transformers import AutoModelForCausalLM
+
+    import zipage.runner.model_runner as model_runner
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_CHUNK", 7)  # several chunks per prompt
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = make_llm(model_dir, block_size=16, max_num_seqs=8)
+    prompts = _prompts(llm.engine.vocab_size, [1, 5, 40, 40])
+    prompts[3][:32] = prompts[2][:32]  # two full blocks shared with the prompt before it
+    plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate([prompts[2]], plain, use_tqdm=False)  # its blocks are now in the prefix cache
+    params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=k, logprobs=1)
+              for k in (0, 3, 5, 2)]
+    outputs = llm.generate(prompts + [prompts[2]], params + [plain], use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, outputs):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        assert out.metrics.num_cached_prompt_tokens == 0  # computed whole
+        if len(prompt) > 1:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                ref = torch.log_softmax(model(ids, attention_mask=torch.ones_like(ids)).logits[0].double(), -1)
+            for i in range(1, len(prompt)):
+                _check_position(out.prompt_logprobs[i], prompt[i], ref[i - 1], p.prompt_logprobs, False)
+                assert all(lp.decoded_token is not None for lp in out.prompt_logprobs[i].values())
+    assert outputs[4].prompt_logprobs is None and outputs[4].metrics.num_cached_prompt_tokens == 32
+    assert_pool_full(llm)
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be None or an integer in \[0, 20\], got 21"):
+        SamplingParams(prompt_logprobs=21)
+
+
 def test_sampler_modes_on_penalised_and_banned_rows():
     """Raw: log_softmax of the logits; processed: of the banned (-inf), tempered, top-k'd logits.
     Only the rows asked get logprobs, and only [rows, k + 1] values come back."""

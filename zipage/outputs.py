@@ -69,6 +69,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)
     error: str | None = None  # why the request failed (finish_reason "error"): the step that raised, and how
+    # With ``SamplingParams(prompt_logprobs=k)``: one entry per prompt token, None for the first (it has
+    # no context), else the prompt token's and the k most likely tokens'. In a stream: the first output.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class RequestsFailed(RuntimeError):

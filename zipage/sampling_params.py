@@ -22,6 +22,9 @@ class SamplingParams:
     ``presence_penalty`` once if it occurs there.
     ``logprobs=k``: each output token's log probability, its rank, and the ``k`` most likely
     tokens' (``CompletionOutput.logprobs``); ``k`` in ``[0, MAX_LOGPROBS]``, None for none.
+    ``prompt_logprobs=k``: the same for every prompt token after the first
+    (``RequestOutput.prompt_logprobs``), from the model's raw logits; such a request's prompt is
+    computed whole (it is not served from the prefix cache).
     ``structured_outputs``: what the output must match (a JSON schema, a regular expression, a
     choice, a grammar; ``zipage.structured.StructuredOutputsParams`` or a dict of its fields).
     ``thinking_token_budget=N``: at most N tokens of thinking (between ``<think>`` and
@@ -46,6 +49,7 @@ class SamplingParams:
     kv_budget_tokens: int | None = None  # this request's compression budget (None: the engine's)
     compression: bool = True  # False: full KV for this request (never compressed)
     logprobs: int | None = None  # alternatives per output token (None: no logprobs)
+    prompt_logprobs: int | None = None  # alternatives per prompt token (None: none)
     structured_outputs: object = None  # zipage.structured.StructuredOutputsParams, or None
     thinking_token_budget: int | None = None  # most tokens between <think> and </think> (None: no limit)
 
@@ -57,7 +61,7 @@ class SamplingParams:
                  seed: int | None = None, repetition_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  kv_budget_tokens: int | None = None, compression: bool = True,
-                 logprobs: int | None = None, structured_outputs=None,
+                 logprobs: int | None = None, prompt_logprobs: int | None = None, structured_outputs=None,
                  thinking_token_budget: int | None = None, **unknown):
         if unknown:
             allowed = ", ".join(f.name for f in fields(self))
@@ -100,6 +104,10 @@ class SamplingParams:
         if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
         self.logprobs = logprobs
+        if prompt_logprobs is not None and not (_is_int(prompt_logprobs) and 0 <= prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {prompt_logprobs!r}")
+        self.prompt_logprobs = prompt_logprobs
         # Per-request compression: the engine checks the budget against its own (``request_max_blocks``).
         if kv_budget_tokens is not None and (not _is_int(kv_budget_tokens) or kv_budget_tokens < 1):
             raise ValueError(f"kv_budget_tokens must be None (the engine's budget) or an integer >= 1, "

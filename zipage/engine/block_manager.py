@@ -71,9 +71,10 @@ class BlockManager:
 
         The last ``min_recomputed_tokens`` tokens are always recomputed (the last
         one's logits are needed), so a fully cached prompt still leaves its last
-        block to compute.
+        block to compute. A request that wants its prompt's log probabilities needs the
+        logits of every prompt token: it gets no cached prefix.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         blocks = []
         for h in self._block_hashes(seq, max(0, seq.num_tokens - self.min_recomputed_tokens) // self.block_size):

@@ -179,6 +179,10 @@ class LLMEngine:
         if params.logprobs is not None and not getattr(self.runner, "supports_logprobs", False):
             raise ValueError(f"logprobs={params.logprobs}: this engine's runner ({type(self.runner).__name__}) "
                              "does not compute log probabilities")
+        if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logprobs", False):
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs}: this engine's runner "
+                             f"({type(self.runner).__name__}) does not compute prompt log probabilities "
+                             "(tensor parallelism does not)")
         if params.thinking_token_budget is not None:
             self._configure_thinking(params)
         grammar = None
@@ -476,6 +480,9 @@ class LLMEngine:
             try:
                 if seq.logprobs is not None:
                     seq.logprobs.append(self._with_text(token_ids.logprobs[row]))
+                prompt_logprobs = getattr(token_ids, "prompt_logprobs", None)
+                if prompt_logprobs is not None and prompt_logprobs[row] is not None:
+                    seq.prompt_logprobs = [None] + [self._with_text(p) for p in prompt_logprobs[row]]
                 if seq.grammar is not None:
                     seq.grammar.accept(token_id)
                 reason = self._stop_reason(seq, token_id)
@@ -583,7 +590,8 @@ class LLMEngine:
         logprobs = seq.logprobs[sent:sent + len(token_ids)] if seq.logprobs is not None else None
         return RequestOutput(seq.request_id, seq.prompt, prompt_ids,
                              [CompletionOutput(0, text, token_ids, logprobs=logprobs)],
-                             finished=False, metrics=seq.metrics)
+                             finished=False, metrics=seq.metrics,
+                             prompt_logprobs=seq.prompt_logprobs if sent == 0 else None)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         """The final output of a finished request (for a streamed one: only its new part)."""
@@ -606,4 +614,5 @@ class LLMEngine:
         logprobs = seq.logprobs[sent or 0:] if seq.logprobs is not None else None
         completion = CompletionOutput(0, text, output_ids, seq.finish_reason, seq.stop_reason, logprobs)
         return RequestOutput(seq.request_id, seq.prompt, prompt_ids, [completion], finished=True,
-                             metrics=seq.metrics, error=seq.error)
+                             metrics=seq.metrics, error=seq.error,
+                             prompt_logprobs=seq.prompt_logprobs if not sent else None)

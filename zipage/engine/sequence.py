@@ -61,6 +61,7 @@ class Sequence:
         # SamplingParams.logprobs: one {token id: Logprob} per output token in token_ids
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
         self.grammar = None  # SamplingParams.structured_outputs: its matcher (zipage.structured.RequestGrammar)
+        self.prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs, once its prefill computed them
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
 
     @property
@@ -75,6 +76,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:].tolist()
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prefill must compute the prompt's log probabilities (so no prefix-cache hit)."""
+        return self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:

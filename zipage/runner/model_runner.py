@@ -23,7 +23,7 @@ from zipage.config import DTYPES, EngineConfig
 from zipage.distributed import all_reduce_min
 from zipage.engine.sequence import Sequence
 from zipage.layers.fusion import enable_fusion
-from zipage.layers.sampler import SampledLogprobs, Sampler
+from zipage.layers.sampler import SampledLogprobs, Sampler, compute_logprobs
 from zipage.models.registry import build_model
 from zipage.outputs import Logprob, PositionLogprobs
 from zipage.runner.cuda_graph import DecodeGraphs
@@ -53,11 +53,18 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
 class StepTokens(list):
     """A step's sampled token ids, one per request (a list, as every runner returns), and
     ``logprobs``: per request, its position's log probabilities if it asked, else None
-    (``logprobs`` is None when none of the step's requests asked)."""
+    (``logprobs`` is None when none of the step's requests asked); ``prompt_logprobs``: per
+    request, a prefill's prompt log probabilities (one per prompt token after the first) if
+    it asked, else None (None when none asked)."""
 
-    def __init__(self, token_ids: list[int], logprobs: list[PositionLogprobs | None] | None = None):
+    def __init__(self, token_ids: list[int], logprobs: list[PositionLogprobs | None] | None = None,
+                 prompt_logprobs: list[list[PositionLogprobs] | None] | None = None):
         super().__init__(token_ids)
         self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
+
+
+PROMPT_LOGPROBS_CHUNK = 1024  # prompt positions whose [positions, vocab] logits exist at once
 
 
 class LaunchedStep:
@@ -72,12 +79,17 @@ class LaunchedStep:
         self.seqs = seqs
         self.tokens: torch.Tensor | None = None  # on the device: the next step's inputs
         self.unsampled: tuple | None = None  # (logits, SamplingTensors, trace mark) until sampled
+        self.prompt: list[tuple[int, SampledLogprobs]] = []  # (row, its prompt's log probabilities)
         self._host, self._ready = None, None
+        self._has_logprobs = False
 
     def sampled(self, tokens: torch.Tensor, logprobs: SampledLogprobs | None) -> None:
         """The sampler is queued: start copying its results to the host."""
         self.tokens, self.unsampled = tokens, None
-        results = [tokens] if logprobs is None else [tokens, logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
+        self._has_logprobs = logprobs is not None
+        results = [tokens]
+        for part in ([logprobs] if logprobs is not None else []) + [lp for _, lp in self.prompt]:
+            results += [part.token_ids, part.logprobs, part.ranks]
         self._host = results
         if self.device.type == "cuda":
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in results]
@@ -96,8 +108,14 @@ class LaunchedStep:
         if self._ready is not None:
             self._ready.synchronize()
         tokens = StepTokens(self._host[0].tolist())
-        if len(self._host) > 1:
-            tokens.logprobs = self._logprobs(*(t.tolist() for t in self._host[1:]))
+        parts = [[t.tolist() for t in self._host[i:i + 3]] for i in range(1, len(self._host), 3)]
+        if self._has_logprobs:
+            tokens.logprobs = self._logprobs(*parts.pop(0))
+        if self.prompt:
+            tokens.prompt_logprobs = [None] * len(self.seqs)
+            for (row, _), part in zip(self.prompt, parts):
+                k = self.seqs[row].sampling_params.prompt_logprobs
+                tokens.prompt_logprobs[row] = [_position(ids, values, rank, k) for ids, values, rank in zip(*part)]
         return tokens
 
     def _logprobs(self, token_ids, logprobs, ranks) -> list[PositionLogprobs | None]:
@@ -107,11 +125,16 @@ class LaunchedStep:
         wanted = [(i, seq.sampling_params.logprobs) for i, seq in enumerate(self.seqs)
                   if seq.sampling_params.logprobs is not None]
         for (i, k), ids, values, rank in zip(wanted, token_ids, logprobs, ranks):
-            position = {ids[0]: Logprob(values[0], rank)}
-            for column in range(1, k + 1):
-                position.setdefault(ids[column], Logprob(values[column], column))
-            out[i] = position
+            out[i] = _position(ids, values, rank, k)
         return out
+
+
+def _position(ids: list[int], values: list[float], rank: int, k: int) -> PositionLogprobs:
+    """{token id: Logprob} of a position's chosen token (column 0) and its top ``k``."""
+    position = {ids[0]: Logprob(values[0], rank)}
+    for column in range(1, k + 1):
+        position.setdefault(ids[column], Logprob(values[column], column))
+    return position
 
 
 class ModelRunner:
@@ -122,6 +145,7 @@ class ModelRunner:
     supports_logprobs = True  # ``StepTokens.logprobs`` for requests with ``SamplingParams.logprobs``
     supports_structured_outputs = True  # token bitmasks of requests with a grammar (``launch``, ``sample``)
     supports_thinking_budget = True  # ``SamplingParams.thinking_token_budget`` (``thinking.py``)
+    supports_prompt_logprobs = True  # ``StepTokens.prompt_logprobs`` for requests with ``prompt_logprobs``
 
     def __init__(self, config: EngineConfig, hf_config, rank: int = 0):
         self.config = config
@@ -204,6 +228,26 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, sched.max_num_seqs, self.max_table_blocks, self.device,
                                        self.inputs.no_query_row if compression else None)
             self.graphs.capture()
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs, row: int,
+                         seq: Sequence) -> SampledLogprobs:
+        """Raw log probabilities of ``seq``'s prompt tokens after the first, from the prefill's hidden
+        states (its whole prompt: no prefix-cache hit), a chunk of positions at a time."""
+        start = int(self.inputs.cu_seqlens.np[row])  # the host copy of this prefill's offsets
+        n = seq.num_prompt_tokens - 1
+        targets = torch.as_tensor(seq.token_ids[1:seq.num_prompt_tokens], dtype=torch.int64)
+        targets = targets if self.device.type == "cpu" else targets.pin_memory().to(self.device, non_blocking=True)
+        k = seq.sampling_params.prompt_logprobs
+        parts = []
+        for first in range(0, n, PROMPT_LOGPROBS_CHUNK):
+            last = min(n, first + PROMPT_LOGPROBS_CHUNK)
+            logits = self.model.compute_logits(hidden[start + first:start + last])
+            parts.append(compute_logprobs(logits, targets[first:last], k))
+        if not parts:  # a one-token prompt
+            empty = torch.empty(0, k + 1, device=self.device)
+            return SampledLogprobs(empty.long(), empty, torch.empty(0, dtype=torch.int64, device=self.device))
+        return SampledLogprobs(*(torch.cat(column) for column in zip(*(
+            (p.token_ids, p.logprobs, p.ranks) for p in parts))))
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs and wait for the device (before a tensor-parallel group is left).
@@ -333,7 +377,9 @@ class ModelRunner:
             self._inputs_read.record()
         self.last_prepare_s = time.perf_counter() - start
         step = LaunchedStep(self.device, seqs)
-        step.unsampled = (self.logits(inputs), st, self.trace.mark() if self.trace else None)
+        wanted = [(row, seq) for row, seq in enumerate(seqs) if shape.is_prefill and seq.needs_prompt_logprobs]
+        logits = self.logits(inputs, wanted, step.prompt)
+        step.unsampled = (logits, st, self.trace.mark() if self.trace else None)
         if not defer_sampling:
             self._sample(step)
         return step
@@ -398,11 +444,16 @@ class ModelRunner:
         if self.device.type == "cuda":  # the host buffers are refilled by the next step
             torch.cuda.synchronize(self.device)
 
-    def logits(self, inputs: ModelInputs) -> torch.Tensor:
+    def logits(self, inputs: ModelInputs, prompt_rows: list[tuple[int, Sequence]] = (),
+               prompt_out: list | None = None) -> torch.Tensor:
+        """The logits of each sequence's last token. ``prompt_rows``: the (row, request) pairs of a
+        prefill whose prompt log probabilities are wanted; they go to ``prompt_out``."""
         if not inputs.metadata.is_prefill and self.graphs is not None and self.graphs.can_run(inputs.num_seqs):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
         with attention_metadata(inputs.metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
+        for row, seq in prompt_rows:
+            prompt_out.append((row, self._prompt_logprobs(hidden, inputs, row, seq)))
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
         return self.model.compute_logits(hidden)

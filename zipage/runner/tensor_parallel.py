@@ -114,6 +114,8 @@ class ParallelRunner:
 
     # The followers take each step's input tokens from the host: every step waits for its tokens.
     supports_async_scheduling = False
+    # Rank 0 computes logits beyond the step's (the vocabulary gather is a collective): not here.
+    supports_prompt_logprobs = False
 
     def __init__(self, config: EngineConfig, hf_config):
         from zipage.models.registry import spec_from_config

@@ -101,7 +101,8 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
                                   parts[-1].stop_reason,
                                   None if parts[0].logprobs is None else [lp for p in parts for lp in p.logprobs])
     return RequestOutput(last.request_id, last.prompt, first.prompt_token_ids or last.prompt_token_ids,
-                         [completion], last.finished, last.metrics)
+                         [completion], last.finished, last.metrics, last.error,
+                         first.prompt_logprobs if first.prompt_logprobs is not None else last.prompt_logprobs)
 
 
 class AsyncEngine:
