@@ -210,4 +210,11 @@ def test_server_takes_the_budget_fields_on_both_endpoints(checkpoint_dir):
         while app.state.engine.call_threadsafe(llm.engine.has_unfinished_requests):
             assert time.monotonic() < deadline, "requests still in the engine"
             time.sleep(0.05)
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        # per budget: the small-budget completion and chat, the full-KV completion; 60 tokens each
+        assert f'zipage_requests_finished_by_kv_budget_total{{kv_budget="{BLOCK}"}} 2.0' in metrics
+        assert 'zipage_requests_finished_by_kv_budget_total{kv_budget="full"} 1.0' in metrics
+        assert 'zipage_generation_tokens_by_kv_budget_total{kv_budget="full"} 60.0' in metrics
+        assert f'zipage_requests_running_by_kv_budget{{kv_budget="{BLOCK}"}} 0.0' in metrics
+        assert f'zipage_compressions_by_kv_budget_total{{kv_budget="{BLOCK}"}}' in metrics
     assert_pool_full(llm)

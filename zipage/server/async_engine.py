@@ -105,6 +105,14 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
                          first.prompt_logprobs if first.prompt_logprobs is not None else last.prompt_logprobs)
 
 
+def budget_label(engine: LLMEngine, seq) -> str:
+    """A request's KV budget as a metrics label: "full" or its budget in tokens."""
+    if seq.max_blocks is None:
+        return "full"
+    params, compression = seq.sampling_params, engine.config.compression
+    return str(params.kv_budget_tokens or compression.kv_budget_tokens)
+
+
 class AsyncEngine:
     """An ``LLMEngine`` stepped on its own thread, for many concurrent API calls.
 
@@ -158,7 +166,9 @@ class AsyncEngine:
         self.stream_interval = stream_interval
         self.switch_interval = switch_interval
         self._saved_switch_interval: float | None = None
-        self._timing: dict[str, list] = {}  # engine thread: request id -> [arrival, last token time]
+        # engine thread: request id -> [arrival, last token time, KV budget label]
+        self._timing: dict[str, list] = {}
+        self._budget_labels: set[str] = set()  # of the running-requests gauge's last update
         self._generations: dict[str, Generation] = {}  # event loop: request id -> its API call
         self._admitted = 0  # event loop: engine requests of admitted calls not yet added
         # Every request the engine runs or queues, and those admitted: past this, calls are refused.
@@ -242,7 +252,7 @@ class AsyncEngine:
             seqs = [engine.prepare_request(prompt, sp, rid) for prompt, sp, rid in zip(prompts, params, request_ids)]
             for seq in seqs:
                 engine.add_sequence(seq, stream=True)
-                self._timing[seq.request_id] = [arrival, None]
+                self._timing[seq.request_id] = [arrival, None, budget_label(engine, seq)]
                 self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
             return [seq.num_prompt_tokens for seq in seqs]
 
@@ -402,6 +412,7 @@ class AsyncEngine:
             new_tokens = len(output.outputs[0].token_ids)
             if new_tokens:
                 m.generation_tokens.inc(new_tokens)
+                m.generation_tokens_by_budget.labels(timing[2]).inc(new_tokens)
                 if timing[1] is None:
                     m.ttft.observe(now - timing[0])
                     urgent = True
@@ -413,8 +424,19 @@ class AsyncEngine:
                 del self._timing[output.request_id]
                 m.finished.labels(output.outputs[0].finish_reason).inc()
                 m.latency.observe(now - timing[0])
+                m.finished_by_budget.labels(timing[2]).inc()
+                if output.metrics is not None:
+                    m.compressions_by_budget.labels(timing[2]).inc(output.metrics.num_compressions)
+                    m.evicted_by_budget.labels(timing[2]).inc(output.metrics.evicted_tokens)
         scheduler, bm = self.engine.scheduler, self.engine.block_manager
         self.num_running = len(scheduler.running)
+        by_budget: dict[str, int] = dict.fromkeys(self._budget_labels, 0)
+        for seq in scheduler.running:
+            label = budget_label(self.engine, seq)
+            by_budget[label] = by_budget.get(label, 0) + 1
+        for label, count in by_budget.items():  # labels seen before and now gone read 0
+            m.running_by_budget.labels(label).set(count)
+        self._budget_labels = set(by_budget)
         used = bm.num_blocks - bm.num_free_blocks
         m.running.set(self.num_running)
         m.waiting.set(len(scheduler.waiting))

@@ -32,6 +32,20 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.latency = Histogram("zipage_request_latency_seconds", "From arrival to the last token",
                                  buckets=LATENCY_BUCKETS, registry=r)
+        # By KV budget: "full" (no compression) or the request's budget in tokens (its own or the
+        # server's; multiples of the block size up to the server's, so few values).
+        budget = ["kv_budget"]
+        self.running_by_budget = Gauge("zipage_requests_running_by_kv_budget", "Requests running, by KV budget",
+                                       budget, registry=r)
+        self.finished_by_budget = Counter("zipage_requests_finished_by_kv_budget", "Requests finished, by KV budget",
+                                          budget, registry=r)
+        self.generation_tokens_by_budget = Counter("zipage_generation_tokens_by_kv_budget",
+                                                   "Tokens generated, by KV budget", budget, registry=r)
+        self.compressions_by_budget = Counter("zipage_compressions_by_kv_budget",
+                                              "Compressions of finished requests, by KV budget", budget, registry=r)
+        self.evicted_by_budget = Counter("zipage_evicted_tokens_by_kv_budget",
+                                         "Tokens evicted from finished requests (per layer and KV head), by KV budget",
+                                         budget, registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
