@@ -1,8 +1,9 @@
 """``zipage eval synthetic``: accuracy of compression policies against the KV budget.
 
-Held-out ledger problems (``zipage.quality.tasks``) are solved greedily by the
-engine with the full KV cache and then, for every policy and budget, under
-compression. Two metrics per run:
+Held-out problems of a synthetic task (``zipage.quality.tasks``: the ledger, or
+register tracing with ``--task tracing``) are solved greedily by the engine with the
+full KV cache and then, for every policy and budget, under compression. Two metrics
+per run:
 
 - accuracy: the share of problems whose answer line is exactly right;
 - correct-prefix fraction: the share of the reference solution (its tokens and the
@@ -14,6 +15,12 @@ solution) and rounded to whole blocks. Runs also record decode throughput, the
 peak KV memory per request and a breakdown by solution length (thirds of the
 problem set), which shows whether the budget a policy needs grows with length.
 Results go to ``synthetic.json``, ``synthetic.md`` (the table) and ``synthetic.png``.
+
+``--settings`` compares named Zipage settings (``SETTINGS``) instead of policies: the
+published defaults, the statement kept, pooling at every compression, a window of one
+block, or all three ("tuned", the settings tuned on the ledger task). Each setting runs
+at each budget, and the table and summary name the setting that wins each budget on
+each metric (several on a tie).
 """
 
 from __future__ import annotations
@@ -31,6 +38,16 @@ DEFAULT_BUDGETS = (0.125, 0.25, 0.375, 0.5, 0.75, 0.875)
 DEFAULT_POLICIES = ("zipage", "attention", "recency", "random")
 RECENCY_SINK = 4  # StreamingLLM's attention-sink tokens
 KEEP_SHARE = 0.95  # "keeps its accuracy": at least this share of full-KV accuracy
+METRICS = ("accuracy", "prefix_fraction")
+# Zipage settings for --settings, as changes to the published defaults (statement compressed,
+# pooling at a request's first compression only, the window of --window); "block": the block size.
+SETTINGS = {
+    "defaults": {},
+    "keep_prompt": dict(keep_prompt=True),
+    "pool": dict(pool_every_compression=True),
+    "block_window": dict(window="block"),
+    "tuned": dict(keep_prompt=True, pool_every_compression=True, window="block"),
+}
 
 
 @dataclass
@@ -76,12 +93,16 @@ def score(encoded: list[Encoded], outputs) -> dict:
     return dict(accuracy=sum(correct) / n, prefix_fraction=sum(prefix) / n, correct=correct, prefix=prefix)
 
 
-def kv_bytes_per_token(model_dir: str, device: str) -> int:
-    """K and V of one token over all layers, in the dtype the engine runs (float32 on the CPU)."""
+def kv_bytes_per_token(model_dir: str, device: str, dtype: str = "auto") -> int:
+    """K and V of one token over all layers, in the dtype the engine runs (float32 on the CPU
+    or when asked for, else two bytes: the checkpoints of this harness are bf16)."""
+    import torch
+
+    from zipage.config import DTYPES
     from zipage.utils.loader import load_config
     c = load_config(model_dir)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    element = 4 if device == "cpu" else 2
+    element = 4 if device == "cpu" or DTYPES.get(dtype) is torch.float32 else 2
     return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * element
 
 
@@ -96,7 +117,8 @@ def run_engine(model_dir: str, encoded: list[Encoded], compression=None, device:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     longest = max(e.length for e in encoded) + slack_tokens
     if kv_cache_memory_bytes is None:  # room for every request at full length, so the runs compare alike
-        kv_cache_memory_bytes = (len(encoded) + 1) * (longest + block_size) * kv_bytes_per_token(model_dir, device)
+        kv_cache_memory_bytes = ((len(encoded) + 1) * (longest + block_size)
+                                 * kv_bytes_per_token(model_dir, device, dtype))
     llm = LLM(model_dir, device=device, dtype=dtype, block_size=block_size, compression=compression,
               max_num_seqs=max_num_seqs or len(encoded), kv_cache_memory_bytes=kv_cache_memory_bytes,
               max_model_len=min(longest + block_size, _model_limit(model_dir)), seed=0, **engine_options)
@@ -153,17 +175,46 @@ def by_length(encoded: list[Encoded], values: list[float], parts: int = 3) -> li
     return out
 
 
-def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGETS, policies=DEFAULT_POLICIES,
-                  task: str | tasks.TaskSpec = "standard", start: int = 0, device: str | None = None,
+def setting_options(name: str, window: int, block_size: int) -> dict:
+    """The ``CompressionConfig`` fields that setting ``name`` of ``SETTINGS`` fixes."""
+    if name not in SETTINGS:
+        raise ValueError(f"unknown setting {name!r}; choose from {sorted(SETTINGS)}")
+    options = {**dict(keep_prompt=False, pool_every_compression=False, window=window), **SETTINGS[name]}
+    if options["window"] == "block":
+        options["window"] = block_size
+    return options
+
+
+def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGETS, policies=None,
+                  task: str | tasks.AnySpec = "standard", start: int = 0, device: str | None = None,
                   block_size: int = 32, window: int = 16, dtype: str = "auto", max_num_seqs: int | None = None,
                   kv_cache_memory_bytes: int | None = None, log=print, keep_prompt: bool = False,
-                  pool_every_compression: bool = False, on_run=None) -> dict:
+                  pool_every_compression: bool = False, on_run=None, settings=None) -> dict:
     """Full KV, then every (policy, budget); returns the record written to ``synthetic.json``.
+    ``policies`` defaults to ``DEFAULT_POLICIES``.
     ``keep_prompt``: every policy keeps the problem statement (``CompressionConfig.keep_prompt``);
     ``pool_every_compression``: Zipage max-pools its scores at every compression, not only the first.
+    ``settings`` (names of ``SETTINGS``): compare these Zipage settings instead of policies, every
+    (setting, budget); each setting fixes keep_prompt, pooling and window itself, so it excludes
+    ``policies``, ``keep_prompt`` and ``pool_every_compression``.
     ``on_run(record)`` is called with the partial record after every run (to save progress)."""
     from zipage import CompressionConfig
     from zipage.utils.loader import load_tokenizer
+
+    if settings is not None and (policies is not None or keep_prompt or pool_every_compression):
+        raise ValueError("settings fix the policy (zipage), keep_prompt and pooling: give settings alone, "
+                         f"got settings={settings}, policies={policies}, keep_prompt={keep_prompt}, "
+                         f"pool_every_compression={pool_every_compression}")
+    if settings is None:  # one variant per policy, under the shared flags
+        variants = {name: (dict(policy=name), dict(window=window, keep_prompt=keep_prompt, policy=name,
+                                                   attention_sink=RECENCY_SINK if name == "recency" else 0,
+                                                   pool_every_compression=pool_every_compression))
+                    for name in (policies or DEFAULT_POLICIES)}
+        # (attention-only pools at every compression anyway; recency and random do not pool)
+    else:
+        variants = {name: (dict(policy="zipage", setting=name), setting_options(name, window, block_size))
+                    for name in settings}
+    widest = max(options["window"] for _, options in variants.values())
 
     encoded = encode(load_tokenizer(model_dir), tasks.held_out_problems(num_problems, task, start))
     mean_length = sum(e.length for e in encoded) / len(encoded)
@@ -173,28 +224,27 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
     log(f"full KV: accuracy {full['accuracy']:.3f}, correct prefix {full['prefix_fraction']:.3f} "
         f"({full['tokens_per_second']:.0f} tokens/s)")
     runs = [dict(policy="full", budget_tokens=None, budget_fraction=1.0, **_summary(full, encoded))]
-    settings = dict(model=model_dir, num_problems=num_problems,
-                    task=task if isinstance(task, str) else asdict(task), start=start,
-                    held_out_seed=tasks.HELD_OUT_SEED, block_size=block_size, window=window,
-                    recency_sink=RECENCY_SINK, keep_prompt=keep_prompt,
-                    pool_every_compression=pool_every_compression, mean_length=mean_length,
-                    min_length=min(e.length for e in encoded), max_length=max(e.length for e in encoded),
-                    device=device, dtype=dtype)
+    record_settings = dict(model=model_dir, num_problems=num_problems,
+                           task=task if isinstance(task, str) else asdict(task), family=tasks.family(task),
+                           start=start, held_out_seed=tasks.HELD_OUT_SEED, block_size=block_size, window=window,
+                           recency_sink=RECENCY_SINK, keep_prompt=keep_prompt,
+                           pool_every_compression=pool_every_compression, mean_length=mean_length,
+                           min_length=min(e.length for e in encoded), max_length=max(e.length for e in encoded),
+                           device=device, dtype=dtype)
+    if settings is not None:
+        record_settings["compared"] = {name: options for name, (_, options) in variants.items()}
     for fraction in budgets:
-        tokens = budget_tokens(fraction, mean_length, block_size, window)
-        for name in policies:
-            # (attention-only pools at every compression anyway; recency and random do not pool)
-            config = CompressionConfig(kv_budget_tokens=tokens, window=window, policy=name, keep_prompt=keep_prompt,
-                                       attention_sink=RECENCY_SINK if name == "recency" else 0,
-                                       pool_every_compression=pool_every_compression)
+        tokens = budget_tokens(fraction, mean_length, block_size, widest)
+        for name, (fields, options) in variants.items():
+            config = CompressionConfig(kv_budget_tokens=tokens, **options)
             result = run_engine(model_dir, encoded, compression=config, **common)
-            runs.append(dict(policy=name, budget_tokens=tokens, budget_fraction=tokens / mean_length,
+            runs.append(dict(fields, budget_tokens=tokens, budget_fraction=tokens / mean_length,
                              requested_fraction=fraction, **_summary(result, encoded)))
-            log(f"{name:>9} budget {tokens:>5} ({tokens / mean_length:.3f}): accuracy {result['accuracy']:.3f}, "
+            log(f"{name:>12} budget {tokens:>5} ({tokens / mean_length:.3f}): accuracy {result['accuracy']:.3f}, "
                 f"correct prefix {result['prefix_fraction']:.3f}")
             if on_run is not None:
-                on_run(dict(settings=settings, runs=runs, summary=summarise(runs)))
-    return dict(settings=settings, runs=runs, summary=summarise(runs))
+                on_run(dict(settings=record_settings, runs=runs, summary=summarise(runs)))
+    return dict(settings=record_settings, runs=runs, summary=summarise(runs))
 
 
 def _summary(result: dict, encoded: list[Encoded]) -> dict:
@@ -209,7 +259,9 @@ def _summary(result: dict, encoded: list[Encoded]) -> dict:
 
 def summarise(runs: list[dict]) -> dict:
     """Smallest budget from which on Zipage keeps 95% of full-KV accuracy; whether it beats every
-    baseline at each budget, on each metric."""
+    baseline at each budget, on each metric. For a comparison of settings: ``summarise_settings``."""
+    if any("setting" in r for r in runs):
+        return summarise_settings(runs)
     full = next(r for r in runs if r["policy"] == "full")
     zipage = sorted((r for r in runs if r["policy"] == "zipage"), key=lambda r: r["budget_fraction"])
     keeps = []  # the budgets from which on (this one and every larger one) Zipage keeps its accuracy
@@ -229,8 +281,26 @@ def summarise(runs: list[dict]) -> dict:
                 zipage_beats_baselines=beats)
 
 
+def summarise_settings(runs: list[dict]) -> dict:
+    """For each budget and metric, the settings that score highest (several on a tie), and how
+    often each setting is among them."""
+    full = next(r for r in runs if r["policy"] == "full")
+    best, wins = {}, {}
+    for tokens in sorted({r["budget_tokens"] for r in runs if "setting" in r}):
+        row = [r for r in runs if r["budget_tokens"] == tokens]
+        best[str(tokens)] = {metric: [r["setting"] for r in row if r[metric] == max(o[metric] for o in row)]
+                             for metric in METRICS}
+        for metric in METRICS:
+            for name in best[str(tokens)][metric]:
+                wins.setdefault(name, dict.fromkeys(METRICS, 0))[metric] += 1
+    return dict(full_accuracy=full["accuracy"], full_prefix_fraction=full["prefix_fraction"],
+                best_settings=best, wins=wins)
+
+
 def table(record: dict) -> str:
-    """Markdown: one row per budget, accuracy and correct-prefix fraction per policy."""
+    """Markdown: one row per budget, accuracy and correct-prefix fraction per policy (or per setting)."""
+    if "compared" in record["settings"]:
+        return settings_table(record)
     runs = record["runs"]
     policies = [p for p in DEFAULT_POLICIES if any(r["policy"] == p for r in runs)]
     policies += sorted({r["policy"] for r in runs} - set(policies) - {"full"})
@@ -253,6 +323,40 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def settings_table(record: dict) -> str:
+    """Markdown for a comparison of settings: one row per budget, accuracy and correct-prefix
+    fraction per setting and the winners of each metric; then what each setting is."""
+    runs, compared = record["runs"], record["settings"]["compared"]
+    full = next(r for r in runs if r["policy"] == "full")
+    best = record["summary"]["best_settings"]
+    head = ("| budget (tokens) | fraction | " + " | ".join(f"{name} acc / prefix" for name in compared)
+            + " | best accuracy | best prefix |")
+    lines = [head, "|" + " --- |" * (4 + len(compared))]
+    for tokens in sorted({r["budget_tokens"] for r in runs if r["budget_tokens"] is not None}):
+        row = {r["setting"]: r for r in runs if r["budget_tokens"] == tokens}
+        fraction = next(iter(row.values()))["budget_fraction"]
+        cells = [f"{row[n]['accuracy']:.3f} / {row[n]['prefix_fraction']:.3f}" if n in row else "-" for n in compared]
+        winners = [", ".join(best[str(tokens)][metric]) for metric in METRICS]
+        lines.append(f"| {tokens} | {fraction:.3f} | " + " | ".join(cells + winners) + " |")
+    full_cell = f"{full['accuracy']:.3f} / {full['prefix_fraction']:.3f}"
+    lines.append("| full KV | 1 | " + " | ".join([full_cell] * len(compared)) + " | | |")
+    lines.append("")
+    for name, options in compared.items():
+        lines.append(f"- {name}: window {options['window']}, statement "
+                     + ("kept" if options["keep_prompt"] else "compressed") + ", pooling "
+                     + ("at every compression" if options["pool_every_compression"] else "at the first compression"))
+    won = {name: record["summary"]["wins"].get(name, dict.fromkeys(METRICS, 0)) for name in compared}
+    lines.append("")
+    lines.append("Budgets won, ties counting for each: " + "; ".join(
+        f"{name} {w['accuracy']} on accuracy, {w['prefix_fraction']} on correct prefix"
+        for name, w in won.items()) + ".")
+    return "\n".join(lines)
+
+
+def _label(run: dict) -> str:
+    return f"zipage, {run['setting']}" if "setting" in run else run["policy"]
+
+
 def plot(record: dict, path: str) -> bool:
     """Accuracy and correct-prefix fraction against budget fraction, one line per policy."""
     try:
@@ -266,8 +370,8 @@ def plot(record: dict, path: str) -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric, label in zip(axes, ("accuracy", "prefix_fraction"), ("exact-answer accuracy",
                                                                        "correct-prefix fraction")):
-        for name in sorted({r["policy"] for r in runs} - {"full"}, key=lambda p: (p != "zipage", p)):
-            points = sorted((r["budget_fraction"], r[metric]) for r in runs if r["policy"] == name)
+        for name in sorted({_label(r) for r in runs} - {"full"}, key=lambda p: (p != "zipage", p)):
+            points = sorted((r["budget_fraction"], r[metric]) for r in runs if _label(r) == name)
             ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name,
                     linewidth=2.5 if name == "zipage" else 1.5)
         ax.axhline(full[metric], color="black", linestyle="--", linewidth=1, label="full KV")
@@ -276,8 +380,9 @@ def plot(record: dict, path: str) -> bool:
         ax.set_ylim(-0.02, 1.02)
         ax.grid(True, alpha=0.3)
     axes[0].legend()
-    fig.suptitle(f"{record['settings']['num_problems']} held-out ledger problems, "
-                 f"mean {record['settings']['mean_length']:.0f} tokens")
+    settings = record["settings"]
+    fig.suptitle(f"{settings['num_problems']} held-out {settings.get('family', 'ledger')} problems, "
+                 f"mean {settings['mean_length']:.0f} tokens")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -305,8 +410,13 @@ def add_eval_parser(sub) -> None:
     s.add_argument("--num-problems", type=int, default=200)
     s.add_argument("--budgets", default=",".join(str(b) for b in DEFAULT_BUDGETS),
                    help="fractions of the mean sequence length, comma-separated")
-    s.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
-    s.add_argument("--task", default="standard", choices=sorted(tasks.SPECS))
+    s.add_argument("--policies", default=None,
+                   help=f"comma-separated, from {','.join(DEFAULT_POLICIES)} (default: all)")
+    s.add_argument("--settings", default=None,
+                   help=f"compare Zipage settings instead of policies: comma-separated, from {','.join(SETTINGS)} "
+                        "(tuned: the statement kept, pooling at every compression, a window of one block)")
+    s.add_argument("--task", default="standard", choices=sorted(tasks.SPECS),
+                   help="task variant: the ledger (standard, short, tiny) or register tracing (tracing, ...)")
     s.add_argument("--start", type=int, default=0, help="first held-out problem index")
     s.add_argument("--block-size", type=int, default=32)
     s.add_argument("--window", type=int, default=16)
@@ -323,17 +433,27 @@ def add_eval_parser(sub) -> None:
     math_eval.add_math_parser(kinds)
 
 
+def _names(text: str | None) -> list[str] | None:
+    return None if text is None else [name for name in text.split(",") if name]
+
+
 def _run_synthetic(args: argparse.Namespace) -> int:
     budgets = [float(b) for b in args.budgets.split(",") if b]
-    policies = [p for p in args.policies.split(",") if p]
+    policies, settings = _names(args.policies), _names(args.settings)
     from zipage.config import POLICIES
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown or not budgets or any(not 0 < b <= 1 for b in budgets):
+    unknown = [p for p in policies or () if p not in POLICIES]
+    if unknown or policies == [] or not budgets or any(not 0 < b <= 1 for b in budgets):
         raise ValueError(f"--policies must be among {POLICIES} (got {unknown}) and --budgets fractions in (0, 1]")
+    unknown = [name for name in settings or () if name not in SETTINGS]
+    if unknown or settings == []:
+        raise ValueError(f"--settings must be among {list(SETTINGS)}, got {args.settings!r}")
+    if settings is not None and (policies is not None or args.keep_prompt or args.pool_every_compression):
+        raise ValueError("--settings runs Zipage with each setting's own statement and pooling choices: "
+                         "leave out --policies, --keep-prompt and --pool-every-compression")
     record = run_synthetic(args.model, args.num_problems, budgets, policies, args.task, args.start, args.device,
                            args.block_size, args.window, args.dtype, args.max_num_seqs, args.kv_cache_memory_bytes,
                            keep_prompt=args.keep_prompt, pool_every_compression=args.pool_every_compression,
-                           on_run=lambda partial: write(partial, args.out, plot_too=False))
+                           settings=settings, on_run=lambda partial: write(partial, args.out, plot_too=False))
     write(record, args.out)
     print("\n" + table(record))
     print(f"\nwrote synthetic.json, synthetic.md and synthetic.png to {args.out}")

@@ -63,6 +63,10 @@ is one whose chain never reads a milestone).
 
 Problem ``seed`` gives the same problem everywhere (``random.Random``). Held-out
 problems use seeds from ``HELD_OUT_SEED`` up; training draws its seeds below it.
+
+A second task of a different structure, register tracing (``zipage.quality.tracing``),
+is registered in ``SPECS`` beside the ledger's variants ("tracing", "tracing-short",
+"tracing-tiny"); ``make_problem``, ``held_out_problems`` and the rest serve both.
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+
+from zipage.quality import tracing
 
 VALUE_NAMES = "abcdefgh"
 RULE_KEYS = "ABCDEFGHIJ"  # the rule for digit d is lettered RULE_KEYS[d]
@@ -99,12 +105,15 @@ class TaskSpec:
             raise ValueError(f"milestone_rules must be in [0, 1], got {self.milestone_rules}")
 
 
-# Named variants: "standard" is the trained task; "short" and "tiny" serve CPU checks and CI.
+# Named variants: "standard" is the trained ledger task; "short" and "tiny" serve CPU checks and CI.
+# The register-tracing variants follow the same pattern ("tracing", "tracing-short", "tracing-tiny").
 SPECS = {
     "standard": TaskSpec(),
     "short": TaskSpec(min_steps=10, max_steps=24, milestone_every=5),
     "tiny": TaskSpec(min_steps=3, max_steps=6, milestone_every=2, num_values=3),
+    **tracing.SPECS,
 }
+AnySpec = TaskSpec | tracing.TracingSpec
 
 
 @dataclass(frozen=True)
@@ -112,16 +121,26 @@ class Problem:
     seed: int
     statement: str  # the user message
     solution: str  # the worked solution, ending with the answer line
-    answer: str  # digits: the last two results and the latest milestone
+    answer: str  # digits: ledger, the last two results and the latest milestone; tracing, the final registers
     num_steps: int  # N: the first step line is numbered N, the last 1
 
 
-def get_spec(spec: TaskSpec | str) -> TaskSpec:
-    if isinstance(spec, TaskSpec):
+def get_spec(spec: AnySpec | str) -> AnySpec:
+    if isinstance(spec, AnySpec):
         return spec
     if spec not in SPECS:
         raise ValueError(f"unknown task spec {spec!r}; choose from {sorted(SPECS)}")
     return SPECS[spec]
+
+
+def family(spec: AnySpec | str) -> str:
+    """Which task ``spec`` is a variant of: "ledger" or "tracing"."""
+    return "tracing" if isinstance(get_spec(spec), tracing.TracingSpec) else "ledger"
+
+
+def tiny_variant(spec: AnySpec | str) -> str:
+    """The CI-sized variant of ``spec``'s task: "tiny" or "tracing-tiny"."""
+    return "tracing-tiny" if family(spec) == "tracing" else "tiny"
 
 
 def _draw_rules(rng: random.Random, names: str, milestone_share: float) -> list[str]:
@@ -135,17 +154,22 @@ def _draw_rules(rng: random.Random, names: str, milestone_share: float) -> list[
     return rules
 
 
-def make_problem(seed: int, spec: TaskSpec | str = "standard") -> Problem:
+def make_problem(seed: int, spec: AnySpec | str = "standard") -> Problem:
     """The problem of ``seed``: statement, worked solution and answer.
 
-    A draw whose chain comes back to a state it was in (same results, milestones and
-    place in the step cycle) would repeat itself from there on, so it is drawn again;
-    so is one whose chain never reads a milestone.
+    Ledger: a draw whose chain comes back to a state it was in (same results, milestones
+    and place in the step cycle) would repeat itself from there on, so it is drawn again;
+    so is one whose chain never reads a milestone. Tracing: ``tracing.draw`` says which
+    draws it rejects.
     """
     spec = get_spec(spec)
     rng = random.Random(seed)
     while True:
-        problem = _draw(rng, spec, seed)
+        if isinstance(spec, tracing.TracingSpec):
+            fields = tracing.draw(rng, spec)
+            problem = None if fields is None else Problem(seed=seed, **fields)
+        else:
+            problem = _draw(rng, spec, seed)
         if problem is not None:
             return problem
 
@@ -198,7 +222,7 @@ def _draw(rng: random.Random, spec: TaskSpec, seed: int) -> Problem | None:
     return Problem(seed=seed, statement=statement, solution="\n".join(lines), answer=answer, num_steps=num_steps)
 
 
-def held_out_problems(count: int, spec: TaskSpec | str = "standard", start: int = 0) -> list[Problem]:
+def held_out_problems(count: int, spec: AnySpec | str = "standard", start: int = 0) -> list[Problem]:
     """``count`` problems no training run draws (seeds ``HELD_OUT_SEED + start + i``)."""
     return [make_problem(HELD_OUT_SEED + start + i, spec) for i in range(count)]
 

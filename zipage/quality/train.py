@@ -1,7 +1,11 @@
-"""Train a small Qwen3 model on the ledger task and save a HuggingFace checkpoint.
+"""Train a small Qwen3 model on a synthetic task and save a HuggingFace checkpoint.
 
     python -m zipage.quality.train --out checkpoints/ledger-14m --max-minutes 11.5
+    python -m zipage.quality.train --task tracing --out checkpoints/tracing-14m --max-minutes 6.25
     zipage train-synthetic --out DIR --tiny        # CPU smoke run, well under a minute
+
+``--task`` names a variant of ``tasks.SPECS``: the ledger ("standard", the default) or
+register tracing ("tracing"); ``--tiny`` trains on the CI-sized variant of the task given.
 
 The model is ``transformers.Qwen3ForCausalLM`` (preset ``small``: 8 layers, hidden
 384, 6 query heads and 2 KV heads of 64, 13.8M parameters) over the character
@@ -112,10 +116,10 @@ class TrainConfig:
             raise ValueError(f"batch_tokens must be >= {PAD_MULTIPLE}, got {self.batch_tokens}")
 
 
-def tiny_config(out: str) -> TrainConfig:
-    """The CPU smoke run: a 2-layer model on 3-6 step problems, about 20 seconds."""
-    return TrainConfig(out=out, model_size="tiny", task="tiny", steps=80, batch_tokens=4096, lr=3e-3,
-                       warmup_steps=10, device="cpu", workers=0, eval_problems=8, eval_reserve_s=20.0,
+def tiny_config(out: str, task: str = "standard") -> TrainConfig:
+    """The CPU smoke run: a 2-layer model on 3-6 step problems of ``task``'s kind, about 20 seconds."""
+    return TrainConfig(out=out, model_size="tiny", task=tasks.tiny_variant(task), steps=80, batch_tokens=4096,
+                       lr=3e-3, warmup_steps=10, device="cpu", workers=0, eval_problems=8, eval_reserve_s=20.0,
                        max_minutes=1.0, log_every=5, max_position_embeddings=512)
 
 
@@ -124,7 +128,7 @@ def encode_problem(codec: CharCodec, problem: tasks.Problem) -> tuple[np.ndarray
     return codec.encode_chat(tasks.messages(problem), problem.solution)
 
 
-def batches_from(rng: random.Random, spec: tasks.TaskSpec, batch_tokens: int, pool_batches: int = 8):
+def batches_from(rng: random.Random, spec: tasks.AnySpec, batch_tokens: int, pool_batches: int = 8):
     """Endless padded batches ``(input_ids int64 [B, T], labels int64 [B, T])``.
 
     A pool of problems is sorted by length and cut into batches of at most
@@ -166,7 +170,7 @@ def _collate(rows) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Stream(torch.utils.data.IterableDataset):
-    def __init__(self, seed: int, spec: tasks.TaskSpec, batch_tokens: int):
+    def __init__(self, seed: int, spec: tasks.AnySpec, batch_tokens: int):
         self.seed, self.spec, self.batch_tokens = seed, spec, batch_tokens
 
     def __iter__(self):
@@ -402,9 +406,11 @@ def add_train_parser(sub) -> None:
 def add_train_args(p: argparse.ArgumentParser) -> None:
     d = TrainConfig(out="")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run (tiny model and task, ~20 s)")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU smoke run (tiny model, the tiny variant of --task's task, ~20 s)")
     p.add_argument("--model-size", default=d.model_size, choices=sorted(MODEL_SIZES))
-    p.add_argument("--task", default=d.task, choices=sorted(tasks.SPECS))
+    p.add_argument("--task", default=d.task, choices=sorted(tasks.SPECS),
+                   help="task variant: the ledger (standard, short, tiny) or register tracing (tracing, ...)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--max-minutes", type=float, default=d.max_minutes,
                    help="wall-clock budget of the whole command, evaluation included")
@@ -425,7 +431,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     command = " ".join(["python -m zipage.quality.train"] + sys.argv[1:]) if args.from_module else " ".join(
         ["zipage"] + sys.argv[1:])
     if args.tiny:
-        config = tiny_config(args.out)
+        config = tiny_config(args.out, args.task)
         config.command = command
         return config
     return TrainConfig(out=args.out, model_size=args.model_size, task=args.task, seed=args.seed,

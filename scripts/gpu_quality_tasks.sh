@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The register-tracing task on one GPU: train its model, then compare Zipage settings on it and on
+# the ledger model (docs/quality.md, "Do the tuned settings carry over to other tasks?").
+# Usage: [RESULTS=dir] [CHECKPOINT=dir] [SETTINGS=list] bash scripts/gpu_quality_tasks.sh [PART] [TRAIN_MINUTES]
+#   train    train the tracing model into CHECKPOINT (default checkpoints/tracing-14m) for TRAIN_MINUTES
+#            (default 5.5) of training, plus 45 s kept for saving and the built-in full-KV evaluation of
+#            200 held-out problems; the log goes to RESULTS/train.log
+#   compare  `zipage eval synthetic --settings SETTINGS` (default defaults,keep_prompt,pool,block_window,tuned)
+#            on 32 held-out problems, blocks of 32, float32, budgets 1/2 and 2/3 of the mean sequence, on
+#            CHECKPOINT (task tracing) and on checkpoints/ledger-14m (the ledger task): RESULTS/tracing/
+#            and RESULTS/ledger/ (synthetic.json, synthetic.md, synthetic.png) and their logs
+#   all      (default) train, then compare
+# RESULTS defaults to out/quality-tasks. Estimated wall times on an H200 (not yet measured): train about
+# TRAIN_MINUTES + 1.3 minutes (6.8 at the default: start, data workers, the 45 s reserve); compare about
+# 2-3 minutes (11 engine runs per model, each a few seconds for 32 problems of these 13.8M models plus its
+# start). Where one call may run 10 minutes at most, run `train` and `compare` as two calls.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
+part=${1:-all}
+minutes=${2:-5.5}
+RESULTS=${RESULTS:-out/quality-tasks}
+CHECKPOINT=${CHECKPOINT:-checkpoints/tracing-14m}
+SETTINGS=${SETTINGS:-defaults,keep_prompt,pool,block_window,tuned}
+LEDGER=checkpoints/ledger-14m
+RESERVE_S=45
+case "$part" in train|compare|all) ;; *) echo "PART must be train, compare or all, got '$part'" >&2; exit 2 ;; esac
+if ! awk -v m="$minutes" 'BEGIN { exit !(m + 0 == m && m > 0 && m <= 8) }'; then
+  echo "TRAIN_MINUTES must be a number in (0, 8], got '$minutes'" >&2
+  exit 2
+fi
+mkdir -p "$RESULTS"
+started=$(date +%s)
+stamp() { echo "[$(date +%H:%M:%S), $(( $(date +%s) - started )) s] $*"; }
+
+stamp "$(python3 -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch",
+  torch.__version__, "transformers", transformers.__version__, "CUDA", torch.cuda.is_available())')"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+if ! python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
+  echo "no CUDA device: this script trains and evaluates on a GPU" >&2
+  exit 2
+fi
+
+train() {
+  local max_minutes
+  max_minutes=$(awk -v m="$minutes" -v r="$RESERVE_S" 'BEGIN { printf "%.3f", m + r / 60 }')
+  stamp "training the tracing model into $CHECKPOINT: $minutes min of training, --max-minutes $max_minutes"
+  timeout $(( ${max_minutes%.*} * 60 + 180 )) python3 -m zipage.quality.train --task tracing --out "$CHECKPOINT" \
+    --max-minutes "$max_minutes" --eval-reserve-s "$RESERVE_S" 2>&1 | tee "$RESULTS/train.log"
+  stamp "trained; held-out result in $CHECKPOINT/training.json"
+}
+
+compare() {  # NAME MODEL TASK
+  local name=$1 model=$2 task=$3
+  if [ ! -f "$model/model.safetensors" ]; then
+    echo "no checkpoint at $model (run the train part first, or set CHECKPOINT)" >&2
+    return 2
+  fi
+  stamp "settings $SETTINGS on $model (task $task)"
+  timeout 420 python3 -m zipage.cli eval synthetic --model "$model" --task "$task" --num-problems 32 \
+    --budgets 0.5,0.667 --settings "$SETTINGS" --block-size 32 --dtype float32 --out "$RESULTS/$name" \
+    2>&1 | tee "$RESULTS/$name.log"
+  stamp "wrote $RESULTS/$name/synthetic.md"
+}
+
+if [ "$part" != compare ]; then train; fi
+if [ "$part" != train ]; then
+  compare tracing "$CHECKPOINT" tracing
+  compare ledger "$LEDGER" standard
+fi
+stamp "done"
