@@ -284,7 +284,31 @@ def test_completions_logprobs_streamed_and_not(served, offline):
     assert (streamed_tokens, streamed_values, offsets) == (lp.tokens, lp.token_logprobs, lp.text_offset)
 
 
+def test_prompt_logprobs_over_http(served, offline):
+    client = served.client
+    prompt = "The quick brown fox"
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+                                use_tqdm=False)[0].prompt_logprobs
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                         extra_body={"prompt_logprobs": 2})
+    got = response.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(expected)
+    for position, reference in zip(got[1:], expected[1:]):
+        assert {int(t) for t in position} == set(reference)
+        for token_id, entry in position.items():
+            ref = reference[int(token_id)]
+            assert entry["logprob"] == pytest.approx(ref.logprob, abs=1e-5) and entry["rank"] == ref.rank
+            assert entry["decoded_token"] == ref.decoded_token
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    positions = chat.model_extra["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == chat.usage.prompt_tokens
+    assert all(len(p) == 1 and next(iter(p.values()))["rank"] >= 1 for p in positions[1:])
+
+
 @pytest.mark.parametrize("path, body, param, words", [
+    ("completions", {"prompt_logprobs": 21}, "prompt_logprobs", "in [0, 20], got 21"),
+    ("chat/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "non-streamed"),
     ("chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs", "in [0, 20], got 21"),
     ("chat/completions", {"top_logprobs": 2}, None, "top_logprobs=2 needs logprobs=true"),
     ("completions", {"logprobs": 21}, "logprobs", "in [0, 20], got 21"),

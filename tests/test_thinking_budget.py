@@ -161,3 +161,34 @@ def test_bad_budgets_are_refused(checkpoint_dir, model_dir):
     with pytest.raises(ValueError, match="thinking_token_budget=4.*no <think>"):
         plain.generate(["x"], SamplingParams(thinking_token_budget=4), use_tqdm=False)
     assert_pool_full(plain)
+
+
+def test_thinking_budget_over_http(model_dir):
+    import httpx
+    import openai
+
+    from zipage.server.app import create_app
+    from zipage.server.background import ServerThread
+
+    llm = make_llm(model_dir)
+    offline = make_llm(model_dir)
+    messages = [{"role": "user", "content": "what is 12 + 30?"}]
+    tok = offline.engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                        add_special_tokens=False)
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                               thinking_token_budget=3),
+                                use_tqdm=False)[0].outputs[0]
+    thinking, _, answer = expected.text.partition("</think>")
+    app = create_app(llm.engine, "tiny", stream_interval=0, reasoning_parser="deepseek_r1")
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        response = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12,
+                                                  extra_body={"ignore_eos": True, "thinking_token_budget": 3})
+        message = response.choices[0].message
+        assert message.model_extra["reasoning"] == thinking and (message.content or "") == answer
+        for bad, words in ((-1, "thinking_token_budget must be in [0, inf), got -1"), ("x", "'x'")):
+            error = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+                "model": "tiny", "messages": messages, "thinking_token_budget": bad}).json()["error"]
+            assert error["param"] == "thinking_token_budget" and words in error["message"], error
+    assert_pool_full(llm)

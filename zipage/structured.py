@@ -38,6 +38,7 @@ import torch
 from zipage.sampling_params import ParameterError
 
 MAX_CHOICES = 1024  # strings a ``choice`` may list
+CACHE_LIMIT_BYTES = 256 << 20  # compiled grammars kept for reuse (least recently used go first)
 
 
 def _threads(limit: int = 8) -> int:
@@ -111,12 +112,15 @@ def _xgrammar():
 
 class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` for one tokenizer and model vocabulary (thread-safe;
-    compiled grammars are kept in xgrammar's cache, so a schema is compiled once)."""
+    compiled grammars are kept in xgrammar's cache, bounded by ``CACHE_LIMIT_BYTES``, so a schema
+    in use is compiled once). Sizes are bounded by the caller (the server's limits); the time a
+    grammar takes to compile is not."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int | None = None):
         xgr = _xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads or _threads())
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads or _threads(),
+                                             cache_limit_bytes=CACHE_LIMIT_BYTES)
         self.vocab_size = vocab_size
 
     def compile(self, params: StructuredOutputsParams):

@@ -30,7 +30,7 @@ from zipage.engine.detokenizer import IncrementalDetokenizer
 from zipage.engine.scheduler import ScheduledBatch, Scheduler
 from zipage.engine.sequence import Sequence
 from zipage.outputs import CompletionOutput, RequestOutput
-from zipage.sampling_params import SamplingParams
+from zipage.sampling_params import ParameterError, SamplingParams
 from zipage.utils.loader import load_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -180,9 +180,9 @@ class LLMEngine:
             raise ValueError(f"logprobs={params.logprobs}: this engine's runner ({type(self.runner).__name__}) "
                              "does not compute log probabilities")
         if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logprobs", False):
-            raise ValueError(f"prompt_logprobs={params.prompt_logprobs}: this engine's runner "
-                             f"({type(self.runner).__name__}) does not compute prompt log probabilities "
-                             "(tensor parallelism does not)")
+            raise ParameterError("prompt_logprobs", f"prompt_logprobs={params.prompt_logprobs}: this engine's "
+                                 f"runner ({type(self.runner).__name__}) does not compute prompt log probabilities "
+                                 "(tensor parallelism does not)")
         if params.thinking_token_budget is not None:
             self._configure_thinking(params)
         grammar = None
@@ -197,14 +197,14 @@ class LLMEngine:
         """Give the runner the tokenizer's <think> and </think> ids, or say why a budget cannot work."""
         budget = params.thinking_token_budget
         if not getattr(self.runner, "supports_thinking_budget", False):
-            raise ValueError(f"thinking_token_budget={budget}: this engine's runner ({type(self.runner).__name__}) "
-                             "does not apply thinking budgets")
+            raise ParameterError("thinking_token_budget", f"thinking_token_budget={budget}: this engine's runner "
+                                 f"({type(self.runner).__name__}) does not apply thinking budgets")
         thinking = self.runner.thinking
         if thinking.start_id is None:
             ids = [self._single_token(t) for t in ("<think>", "</think>")] if self.tokenizer is not None else []
             if len(ids) != 2 or None in ids:
-                raise ValueError(f"thinking_token_budget={budget}: this model's tokenizer has no <think> and "
-                                 "</think> tokens, so there is no thinking to limit")
+                raise ParameterError("thinking_token_budget", f"thinking_token_budget={budget}: this model's "
+                                     "tokenizer has no <think> and </think> tokens, so there is no thinking to limit")
             thinking.configure(*ids)
 
     def _single_token(self, text: str) -> int | None:

@@ -1,4 +1,11 @@
-"""The OpenAI-compatible HTTP API: completions, chat completions, models, health, metrics."""
+"""The OpenAI-compatible HTTP API: completions, chat completions, models, health, metrics.
+
+A chat answer may be read further before it goes out (``zipage.server.tools.ChatAnswers``):
+its thinking split off (``--reasoning-parser``), then tool calls taken out of the rest
+(``--tool-call-parser`` for ``tool_choice="auto"``; the JSON that structured outputs hold the
+output to for ``"required"`` and a named function). A request whose output is held to a
+structure from its first token has no thinking to split off: all of it is the answer.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +28,9 @@ from zipage.server.connections import log_accept_errors_at_a_bounded_rate
 from zipage.server.metrics import ServerMetrics
 from zipage.server.preprocess import Preprocessor
 from zipage.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, RequestLimits, SamplingRequest
-from zipage.server.logprobs import call_logprobs, observers
-from zipage.server.reasoning import ChatReasoning, ReasoningParser
+from zipage.server.logprobs import call_logprobs, call_prompt_logprobs, observers
+from zipage.server.reasoning import ReasoningParser, special_ids
+from zipage.server.tools import START_TAG, ChatAnswers, HermesParser, NamedCall, RequiredCalls, check_parser_name
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +45,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
                switch_interval: float | None = SWITCH_INTERVAL_S, limits: RequestLimits | None = None,
                preprocess_workers: int = PREPROCESS_WORKERS, trust_request_chat_template: bool = False,
                escape_special_tokens: bool = True, metrics_need_key: bool = True,
-               reasoning_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+               enable_auto_tool_choice: bool = False) -> FastAPI:
     """An app serving ``engine`` as model ``model_name``; the engine thread runs while the app does.
 
     ``api_key``: every route but ``/health`` (and ``/metrics`` unless ``metrics_need_key``)
@@ -47,9 +56,14 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     every ``stream_interval`` seconds (first tokens and ends at once); the interpreter's
     switch interval is ``switch_interval`` while the app runs; see ``AsyncEngine``.
     ``reasoning_parser`` (``qwen3``, ``deepseek_r1``): chat answers carry their thinking apart
-    (``message.reasoning``; see ``zipage.server.reasoning``).
+    (``message.reasoning``; see ``zipage.server.reasoning``). ``tool_call_parser`` (``hermes``)
+    with ``enable_auto_tool_choice``: ``tool_choice="auto"`` reads tool calls out of the answer
+    (``message.tool_calls``; see ``zipage.server.tools``); without both, "auto" is refused, as vLLM does.
     """
     check_api_key_value(api_key)
+    check_parser_name(tool_call_parser)
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice needs a tool call parser (--tool-call-parser) to read the calls")
     reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser, engine.tokenizer)
     async_engine = AsyncEngine(engine, ServerMetrics(), max_queued_requests, stream_interval, switch_interval)
     preprocessor = Preprocessor(engine.tokenizer, limits or RequestLimits(), engine.max_prompt_tokens,
@@ -80,7 +94,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     app.add_middleware(_InternalErrors)
     app.state.engine = async_engine
     app.state.preprocessor = preprocessor
-    api = _Api(async_engine, preprocessor, model_name, int(time.time()), reasoning)
+    api = _Api(async_engine, preprocessor, model_name, int(time.time()), reasoning,
+               tool_call_parser if enable_auto_tool_choice else None)
     keyed = [Depends(check_api_key)]
 
     @app.exception_handler(ApiError)
@@ -189,9 +204,12 @@ class _Api:
     """The two generating endpoints: request -> engine requests -> JSON or server-sent events."""
 
     def __init__(self, engine: AsyncEngine, preprocessor: Preprocessor, model_name: str, created: int,
-                 reasoning: ReasoningParser | None = None):
+                 reasoning: ReasoningParser | None = None, auto_tool_parser: str | None = None):
         self.engine = engine
         self.reasoning = reasoning
+        self.auto_tool_parser = auto_tool_parser
+        # Tool-call tags that skip_special_tokens would drop: auto calls are read with it off (as vLLM).
+        self.tool_tags_special = _special_tag(preprocessor.tokenizer, START_TAG)
         self.pre = preprocessor
         self.model_name = model_name
         self.created = created
@@ -239,17 +257,32 @@ class _Api:
 
     async def _start(self, body: SamplingRequest, num_prompts: int, encode, prompt_param: str,
                      id_prefix: str) -> tuple[str, Generation]:
-        """Admit the call's requests, tokenize its prompts (``encode()``, on a worker thread) and add them."""
+        """Admit the call's requests, tokenize its prompts (``encode()``, on a worker thread) and add them.
+
+        A structured output's grammar is compiled there too: the engine finds it in its compiler's
+        cache, so that a large schema does not hold up the engine thread, and every stream with it."""
         params = body.sampling_params(num_prompts)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         request_ids = [f"{response_id}-{i}" for i in range(len(params))]
+
+        def prepare():
+            prompts = encode()
+            if params[0].structured_outputs is not None:
+                try:
+                    self.engine.engine.grammar_compiler().compile(params[0].structured_outputs)
+                except ValueError as error:
+                    raise ApiError(400, str(error), param=body.structured.param) from None
+            return prompts
         try:
             with self.engine.admit(len(params)) as admission:
-                prompts = await self.pre.run(encode)
+                prompts = await self.pre.run(prepare)
                 expanded = [p for p in prompts for _ in range(body.n)]
                 generation = await self.engine.generate(expanded, params, request_ids, admission)
         except ValueError as error:
-            raise ApiError(400, str(error), param=getattr(error, "param", prompt_param)) from None
+            param = getattr(error, "param", prompt_param)
+            if param == "structured_outputs" and body.structured is not None:
+                param = body.structured.param  # the field the request used: response_format, tools
+            raise ApiError(400, str(error), param=param) from None
         except EngineOverloaded as error:
             raise ApiError(503, f"the server is overloaded: {error}; retry later", type="server_error",
                            code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -267,12 +300,17 @@ class _Api:
             return _sse(self._completion_events(body, response_id, generation), self.engine, generation)
 
         logprobs = call_logprobs(body, len(generation.request_ids), chat=False)
+        prompt_logprobs = call_prompt_logprobs(body, len(generation.request_ids))
 
         def choice(index, text, finish_reason):
-            return {"index": index, "text": text, "logprobs": logprobs and logprobs.take(index),
+            made = {"index": index, "text": text, "logprobs": logprobs and logprobs.take(index),
                     "finish_reason": finish_reason}
+            if prompt_logprobs is not None:
+                made["prompt_logprobs"] = prompt_logprobs.take(index)
+            return made
         choices, usage = await _collect(request, self.engine, generation, body, choice,
-                                        logprobs and logprobs.observe)
+                                        observers(logprobs and logprobs.observe,
+                                                  prompt_logprobs and prompt_logprobs.observe))
         return {"id": response_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
 
@@ -315,33 +353,64 @@ class _Api:
     async def chat_completions(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body)
+        make_reader = self._tool_reader(body)
 
         starts_in_reasoning = []
 
         def encode():
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            ids = self.pre.encode_chat(messages, body.chat_template_kwargs)
-            if self.reasoning is not None:
-                starts_in_reasoning.append(self.reasoning.starts_in_reasoning(ids, body.chat_template_kwargs))
+            ids = self.pre.encode_chat(body.template_messages(), body.chat_template_kwargs, body.template_tools())
+            if self.reasoning is not None:  # a structured output is all answer: the grammar holds from its start
+                starts_in_reasoning.append(body.structured is None and
+                                           self.reasoning.starts_in_reasoning(ids, body.chat_template_kwargs))
             return [ids]
         response_id, generation = await self._start(body, 1, encode, "messages", "chatcmpl")
-        split = None if self.reasoning is None else ChatReasoning(
-            self.reasoning, starts_in_reasoning[0], body.skip_special_tokens, len(generation.request_ids))
+        answers = None
+        if self.reasoning is not None or make_reader is not None:
+            in_reasoning = bool(starts_in_reasoning) and starts_in_reasoning[0]
+            answers = ChatAnswers(len(generation.request_ids), self.reasoning, in_reasoning,
+                                  body.skip_special_tokens, make_reader)
         if body.stream:
-            return _sse(self._chat_events(body, response_id, generation, split), self.engine, generation)
+            return _sse(self._chat_events(body, response_id, generation, answers), self.engine, generation)
         logprobs = call_logprobs(body, len(generation.request_ids), chat=True)
+        prompt_logprobs = call_prompt_logprobs(body, len(generation.request_ids))
 
         def choice(index, text, finish_reason):
-            message = {"role": "assistant", "content": text} if split is None else split.message(index)
+            if answers is None:
+                message = {"role": "assistant", "content": text}
+            else:
+                message, finish_reason = answers.message(index), answers.finish_reason(index, finish_reason)
             return {"index": index, "message": message, "logprobs": logprobs and logprobs.take(index),
                     "finish_reason": finish_reason}
         choices, usage = await _collect(request, self.engine, generation, body, choice,
-                                        observers(None if split is None else split.observe,
-                                                  logprobs and logprobs.observe))
-        return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": usage}
+                                        observers(None if answers is None else answers.observe,
+                                                  logprobs and logprobs.observe,
+                                                  prompt_logprobs and prompt_logprobs.observe))
+        response = {"id": response_id, "object": "chat.completion", "created": int(time.time()),
+                    "model": self.model_name, "choices": choices, "usage": usage}
+        if prompt_logprobs is not None:  # one prompt, whatever n: vLLM's place for it
+            response["prompt_logprobs"] = prompt_logprobs.take(0)
+        return response
 
-    def _chat_events(self, body, response_id, generation, split: ChatReasoning | None = None):
+    def _tool_reader(self, body: ChatCompletionRequest):
+        """A factory of the tool-call reader of each choice, or None when the answer is not read
+        for calls; refuses "auto" when the server reads no calls from free text."""
+        mode, parallel = body.tool_mode, body.parallel_tool_calls is not False
+        if mode == "auto":
+            if self.auto_tool_parser is None:
+                raise ApiError(400, 'tool_choice="auto" (the default when tools are given) needs a server started '
+                                    "with --enable-auto-tool-choice and --tool-call-parser; this one reads no tool "
+                                    'calls from free text: send tool_choice "none", "required" or a named function',
+                               param="tool_choice")
+            if self.tool_tags_special:
+                body.skip_special_tokens = False
+            return lambda: HermesParser(parallel)
+        if mode == "required":
+            return lambda: RequiredCalls(parallel)
+        if mode == "named":
+            return lambda: NamedCall(body.tool_choice["function"]["name"])
+        return None
+
+    def _chat_events(self, body, response_id, generation, answers: ChatAnswers | None = None):
         logprobs = call_logprobs(body, len(generation.request_ids), chat=True)
 
         def opening(index):
@@ -349,16 +418,24 @@ class _Api:
                     "finish_reason": None}
 
         def choice(index, text, finish_reason):
-            if split is None:
+            if answers is None:
                 delta = {"content": text} if text else {}
             else:
-                delta = split.delta(index)
+                delta, finish_reason = answers.delta(index), answers.finish_reason(index, finish_reason)
                 if not delta and finish_reason is None and not body.continuous_usage:
                     return None  # all of it held back (a tag's first characters) or a tag alone
             return {"index": index, "delta": delta, "logprobs": logprobs and logprobs.take(index),
                     "finish_reason": finish_reason}
         return self._events(body, response_id, "chat.completion.chunk", generation, choice, opening,
-                            observers(None if split is None else split.observe, logprobs and logprobs.observe))
+                            observers(None if answers is None else answers.observe, logprobs and logprobs.observe))
+
+
+def _special_tag(tokenizer, tag: str) -> bool:
+    """Whether ``tag`` is one special token (which ``skip_special_tokens`` leaves out of text)."""
+    if tokenizer is None:
+        return False
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return len(ids) == 1 and ids[0] in special_ids(tokenizer)
 
 
 def _too_large(limit: int, size: int | None = None) -> ApiError:

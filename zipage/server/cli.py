@@ -14,6 +14,7 @@ def add_serve_parser(sub) -> None:
     from zipage.server.connections import ConnectionLimits
     from zipage.server.protocol import RequestLimits
     from zipage.server.reasoning import PARSERS
+    from zipage.server.tools import PARSERS as TOOL_PARSERS
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model", metavar="MODEL_DIR", help="local HuggingFace checkpoint directory")
@@ -38,6 +39,12 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS),
                    help="put a chat answer's thinking (<think>...</think>) in message.reasoning and "
                         "message.reasoning_content, apart from its content (docs/serving.md)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="read the tool calls a model writes in its chat answer (hermes: <tool_call>{...}</tool_call>, "
+                        "as Qwen3 writes them) into message.tool_calls, for tool_choice=\"auto\" (docs/serving.md)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accept tool_choice=\"auto\", the default when a request gives tools (needs "
+                        "--tool-call-parser); without it such requests get 400, as vLLM answers them")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     r, c = RequestLimits(), ConnectionLimits()
@@ -61,6 +68,15 @@ def add_serve_parser(sub) -> None:
                    help="characters of one stop string (default %(default)s)")
     g.add_argument("--max-requests-per-call", type=int, default=r.max_requests_per_call,
                    help="engine requests one call may add, prompts x n (default %(default)s)")
+    g.add_argument("--max-tools", type=int, default=r.max_tools,
+                   help="tools of one chat request (default %(default)s)")
+    g.add_argument("--max-schema-bytes", type=int, default=r.max_schema_bytes,
+                   help="bytes of one JSON schema (a tool's parameters, a response format), grammar or structural "
+                        "tag (default %(default)s)")
+    g.add_argument("--max-regex-chars", type=int, default=r.max_regex_chars,
+                   help="characters of a structured-output regex (default %(default)s)")
+    g.add_argument("--max-choices", type=int, default=r.max_choices,
+                   help="strings of a structured-output choice (default %(default)s)")
     g.add_argument("--preprocess-workers", type=int, default=PREPROCESS_WORKERS,
                    help="threads that parse bodies, render chat templates and tokenize (default %(default)s)")
     g.add_argument("--trust-request-chat-template", action="store_true",
@@ -97,7 +113,9 @@ def request_limits(args: argparse.Namespace):
                          max_pending_body_bytes=args.max_pending_body_bytes,
                          max_prompt_tokens=args.max_prompt_tokens, max_prompt_chars=args.max_prompt_chars,
                          max_messages=args.max_messages, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
-                         max_requests_per_call=args.max_requests_per_call)
+                         max_requests_per_call=args.max_requests_per_call, max_tools=args.max_tools,
+                         max_schema_bytes=args.max_schema_bytes, max_regex_chars=args.max_regex_chars,
+                         max_choices=args.max_choices)
 
 
 def connection_limits(args: argparse.Namespace):
@@ -137,6 +155,8 @@ def build_app(args: argparse.Namespace):
         raise ValueError(f"--switch-interval must be > 0, got {args.switch_interval}")
     if args.preprocess_workers < 1:
         raise ValueError(f"--preprocess-workers must be >= 1, got {args.preprocess_workers}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes): the parser reads the calls")
     key = api_key(args)
     limits = request_limits(args)  # checked before the model loads
     connection_limits(args)
@@ -148,7 +168,8 @@ def build_app(args: argparse.Namespace):
                       trust_request_chat_template=args.trust_request_chat_template,
                       escape_special_tokens=args.escape_special_tokens,
                       metrics_need_key=not args.unauthenticated_metrics,
-                      reasoning_parser=args.reasoning_parser)
+                      reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                      enable_auto_tool_choice=args.enable_auto_tool_choice)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -72,6 +72,31 @@ class CallLogprobs:
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+class CallPromptLogprobs:
+    """Per choice: its prompt's log probabilities in vLLM's shape, ``[null, {"<token id>": {"logprob",
+    "rank", "decoded_token"}}, ...]`` (the first prompt token has none)."""
+
+    def __init__(self, num_choices: int):
+        self._prompts: list[list | None] = [None] * num_choices
+
+    def observe(self, index: int, output: RequestOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self._prompts[index] = output.prompt_logprobs
+
+    def take(self, index: int) -> list | None:
+        positions = self._prompts[index]
+        if positions is None:
+            return None
+        return [None if p is None else {str(token_id): {"logprob": _value(lp), "rank": lp.rank,
+                                                        "decoded_token": _text(lp)}
+                                        for token_id, lp in p.items()} for p in positions]
+
+
+def call_prompt_logprobs(body, num_choices: int) -> CallPromptLogprobs | None:
+    """The collector of a call that asks for its prompts' log probabilities, else None."""
+    return None if body.prompt_logprobs is None else CallPromptLogprobs(num_choices)
+
+
 def call_logprobs(body, num_choices: int, chat: bool) -> CallLogprobs | None:
     """The collector of a call that asks for log probabilities, else None."""
     k = body.num_logprobs

@@ -66,13 +66,18 @@ class Preprocessor:
             self.limits.check_prompt_tokens(len(ids), "prompt", f"prompt {i}" if len(encoded) > 1 else "prompt")
         return encoded
 
-    def encode_chat(self, messages: list[dict], template_kwargs: dict | None) -> list[int]:
-        """The chat template's rendering of ``messages`` with a generation prompt, tokenized."""
+    def encode_chat(self, messages: list[dict], template_kwargs: dict | None, tools: list[dict] | None = None
+                    ) -> list[int]:
+        """The chat template's rendering of ``messages`` (and ``tools``, OpenAI's function
+        definitions, which the template writes where the model expects them) with a generation
+        prompt, tokenized."""
         tokenizer = self.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
         kwargs = self._template_kwargs(template_kwargs)
         template = kwargs.pop("chat_template", None)  # trusted if here: its control tokens are real
+        if tools:
+            kwargs["tools"] = tools  # a reserved name: never from chat_template_kwargs
         marker = None
         if self._special_tokens and _holds_any([messages, kwargs], self._special_tokens):
             marker = f"{CONTROL_MARK}{secrets.token_hex(8)}{CONTROL_MARK}"  # unguessable: a client cannot forge it
@@ -179,6 +184,7 @@ def _holds_any(value, needles: tuple[str, ...]) -> bool:
             if any(n in item for n in needles):
                 return True
         elif isinstance(item, dict):
+            stack.extend(item.keys())  # keys too: a template writes a schema's property names
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
@@ -186,11 +192,11 @@ def _holds_any(value, needles: tuple[str, ...]) -> bool:
 
 
 def _mark(value, pattern: re.Pattern, marker: str):
-    """``value`` with every special token in its strings (not its keys) wrapped in ``marker``."""
+    """``value`` with every special token in its strings and keys wrapped in ``marker``."""
     if isinstance(value, str):
         return pattern.sub(lambda m: f"{marker}{m.group()}{marker}", value)
     if isinstance(value, dict):
-        return {key: _mark(item, pattern, marker) for key, item in value.items()}
+        return {_mark(key, pattern, marker): _mark(item, pattern, marker) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_mark(item, pattern, marker) for item in value]
     return value

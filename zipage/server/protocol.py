@@ -4,6 +4,11 @@ Bodies are parsed by hand (``parse_body``) rather than by FastAPI, so that the A
 key is checked before anything else and every error has OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``, naming the value and its range.
 Every size a client chooses is bounded by ``RequestLimits`` before work is spent on it.
+
+Structured outputs (``response_format``, vLLM's ``structured_outputs``, and the JSON schema that
+``tool_choice="required"`` or a named function stands for) are checked for shape and size here;
+whether a schema, regex or grammar compiles is the engine's to say (``ParameterError``), and the
+server names the field the request used (``StructuredSpec.param``).
 """
 
 from __future__ import annotations
@@ -14,21 +19,26 @@ import reprlib
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from zipage.sampling_params import MAX_LOGPROBS, SamplingParams
+from zipage.server.tools import function_parameters, required_schema
 
 MAX_N = 128  # choices per prompt
 MAX_JSON_DEPTH = 32  # nesting of lists and objects in a body (the API's own fields need 4)
 MAX_SEED = 2**63 - 1 - MAX_N  # seeds are int64 in the sampler, and choice j gets seed + j
 MAX_TOP_K = 2**31 - 1
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function and schema names
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
-# OpenAI fields the engine cannot honour: accepted only at their neutral values.
+# OpenAI fields the engine cannot honour: accepted only at their neutral values (unless the
+# endpoint's own model takes the field, as chat takes tools).
 NEUTRAL_FIELDS = {
     "echo": (False,), "logit_bias": (None, {}),
     "best_of": (None, 1), "suffix": (None,),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True, False), "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, True, False),
 }
 
 
@@ -51,10 +61,14 @@ class RequestLimits:
     max_stop: int = 64  # stop strings; stop token ids
     max_stop_chars: int = 1024  # characters of one stop string
     max_requests_per_call: int = 256  # engine requests of one call: prompts x n
+    max_tools: int = 128  # tools of a chat
+    max_schema_bytes: int = 64 << 10  # a JSON schema (a tool's parameters, a response format), a grammar, a tag
+    max_regex_chars: int = 4096  # characters of a structured-output regex
+    max_choices: int = 256  # strings of a structured-output choice
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_pending_body_bytes", "max_messages", "max_stop", "max_stop_chars",
-                     "max_requests_per_call"):
+                     "max_requests_per_call", "max_tools", "max_schema_bytes", "max_regex_chars", "max_choices"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -105,6 +119,152 @@ def _in_range(name: str, value, low=None, high=None, low_open: bool = False):
     return value
 
 
+class ParamError(ValueError):
+    """A bad value that a validator names by a field other than its own (``param``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """What a request's output is held to: ``kwargs`` of ``StructuredOutputsParams``, and the
+    field that asked for it (``param``: an error compiling it names that field)."""
+
+    kwargs: dict
+    param: str
+
+    def params(self):
+        from zipage.structured import StructuredOutputsParams
+
+        try:
+            return StructuredOutputsParams(**self.kwargs)
+        except ValueError as error:
+            raise ApiError(400, str(error), param=self.param) from None
+
+
+def _json_bytes(value) -> int:
+    return len(value.encode()) if isinstance(value, str) else len(json.dumps(value, separators=(",", ":")).encode())
+
+
+def check_schema(param: str, schema, limits: RequestLimits) -> None:
+    """A JSON schema: an object, within ``max_schema_bytes`` (whether it compiles is the engine's to say)."""
+    if not isinstance(schema, dict):
+        raise ParamError(param, f"{param} must be a JSON schema (an object), got {_short(schema)}")
+    size = _json_bytes(schema)
+    if size > limits.max_schema_bytes:
+        raise ParamError(param, f"{param} is a schema of {size} bytes; at most {limits.max_schema_bytes} are "
+                                "allowed (max_schema_bytes)")
+
+
+def _check_text(param: str, value, limit: int, limit_name: str, unit: str = "bytes") -> None:
+    if not isinstance(value, str) or not value:
+        raise ParamError(param, f"{param} must be a non-empty string, got {_short(value)}")
+    size = _json_bytes(value) if unit == "bytes" else len(value)
+    if size > limit:
+        raise ParamError(param, f"{param} has {size} {unit}; at most {limit} are allowed ({limit_name})")
+
+
+def parse_response_format(value, limits: RequestLimits) -> StructuredSpec | None:
+    """OpenAI's ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``
+    or ``{"type": "json_schema", "json_schema": {"name", "schema", "description", "strict"}}``."""
+    if value is None:
+        return None
+    kinds = '"text", "json_object" or "json_schema"'
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        got = value.get("type") if isinstance(value, dict) else value
+        raise ParamError("response_format.type", f"response_format.type must be {kinds}, got {_short(got)}")
+    kind = value["type"]
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    for key in value:
+        if key not in allowed:
+            raise ParamError(f"response_format.{key}", f"unknown parameter response_format.{_short(key)} for "
+                                                       f"type {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":  # an object, as OpenAI's (xgrammar's built-in JSON grammar takes any value)
+        return StructuredSpec({"json": {"type": "object"}}, "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ParamError("response_format.json_schema", "response_format.json_schema must be an object "
+                                                        f'{{"name", "schema", ...}}, got {_short(spec)}')
+    for key in spec:
+        if key not in ("name", "schema", "description", "strict"):
+            raise ParamError(f"response_format.json_schema.{key}",
+                             f"unknown parameter response_format.json_schema.{_short(key)}; allowed: name, schema, "
+                             "description, strict")
+    name = spec.get("name")
+    if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+        raise ParamError("response_format.json_schema.name", "response_format.json_schema.name must be 1 to 64 "
+                                                             f"letters, digits, _ or -, got {_short(name)}")
+    for key, kind_ok, what in (("description", lambda v: isinstance(v, str), "a string"),
+                               ("strict", lambda v: isinstance(v, bool), "true or false")):
+        if spec.get(key) is not None and not kind_ok(spec[key]):
+            raise ParamError(f"response_format.json_schema.{key}",
+                             f"response_format.json_schema.{key} must be {what}, got {_short(spec[key])}")
+    if "schema" not in spec:
+        raise ParamError("response_format.json_schema.schema", "response_format.json_schema.schema is required")
+    check_schema("response_format.json_schema.schema", spec["schema"], limits)
+    return StructuredSpec({"json": spec["schema"]}, "response_format")
+
+
+def parse_structured_outputs(value, limits: RequestLimits) -> StructuredSpec | None:
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema, or its JSON text), ``regex``,
+    ``choice`` (strings), ``grammar`` (EBNF, xgrammar's syntax), ``json_object`` (true) and
+    ``structural_tag`` (xgrammar's, as JSON text)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ParamError("structured_outputs", "structured_outputs must be an object with one of "
+                                               f"{', '.join(STRUCTURED_KINDS)}, got {_short(value)}")
+    for key in value:
+        if key not in STRUCTURED_KINDS:
+            raise ParamError(f"structured_outputs.{key}", f"unknown parameter structured_outputs.{_short(key)}; "
+                                                          f"allowed: {', '.join(STRUCTURED_KINDS)}")
+    given = [k for k in STRUCTURED_KINDS if value.get(k) is not None and value.get(k) is not False]
+    if len(given) != 1:
+        raise ParamError("structured_outputs", "structured_outputs must give exactly one of "
+                                               f"{', '.join(STRUCTURED_KINDS)}; got {len(given)}"
+                                               + (f" ({', '.join(given)})" if given else ""))
+    kind = given[0]
+    item, param = value[kind], f"structured_outputs.{kind}"
+    if kind == "json":
+        if isinstance(item, str):
+            _check_text(param, item, limits.max_schema_bytes, "max_schema_bytes")
+            try:
+                schema = json.loads(item)
+            except (ValueError, RecursionError):
+                raise ParamError(param, f"{param} must be a JSON schema or its JSON text; the text is not "
+                                        "JSON") from None
+            check_schema(param, schema, limits)
+        else:
+            check_schema(param, item, limits)
+    elif kind == "regex":
+        _check_text(param, item, limits.max_regex_chars, "max_regex_chars", unit="characters")
+    elif kind == "choice":
+        _check_choice(item, limits)
+    elif kind == "json_object":
+        if item is not True:
+            raise ParamError(param, f"{param} must be true or false, got {_short(item)}")
+    else:  # grammar, structural_tag
+        _check_text(param, item, limits.max_schema_bytes, "max_schema_bytes")
+    return StructuredSpec({kind: list(item) if kind == "choice" else item}, "structured_outputs")
+
+
+def _check_choice(choices, limits: RequestLimits) -> None:
+    param = "structured_outputs.choice"
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ParamError(param, f"{param} must be a non-empty list of non-empty strings, got {_short(choices)}")
+    if len(choices) > limits.max_choices:
+        raise ParamError(param, f"{param} holds {len(choices)} strings; at most {limits.max_choices} are allowed "
+                                "(max_choices)")
+    size = sum(_json_bytes(c) for c in choices)
+    if size > limits.max_schema_bytes:
+        raise ParamError(param, f"{param} holds {size} bytes; at most {limits.max_schema_bytes} are allowed "
+                                "(max_schema_bytes)")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False  # a last chunk with the usage of the whole request
@@ -138,12 +298,54 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_budget_tokens: int | None = None  # this request's KV budget: a multiple of the block size, <= the server's
+    thinking_token_budget: int | None = None  # most thinking tokens, then </think> is forced
+    prompt_logprobs: int | None = None  # the prompt's log probabilities and this many alternatives (not streamed)
     compression: bool = True  # false: full KV for this request
+    response_format: Any = None  # OpenAI's: json_object, json_schema (structured outputs)
+    structured_outputs: Any = None  # vLLM's: json, regex, choice, grammar, json_object, structural_tag
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v, info: ValidationInfo):
+        return parse_response_format(v, _limits(info))
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _structured_outputs(cls, v, info: ValidationInfo):
+        return parse_structured_outputs(v, _limits(info))
+
+    @model_validator(mode="after")
+    def _one_structure(self):
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise ParamError("structured_outputs", "give response_format or structured_outputs, not both")
+        return self
+
+    @property
+    def structured(self) -> StructuredSpec | None:
+        """What the output is held to, if anything."""
+        return self.response_format or self.structured_outputs
 
     @field_validator("kv_budget_tokens")
     @classmethod
     def _kv_budget_tokens(cls, v):
         return _in_range("kv_budget_tokens", v, 1)
+
+    @field_validator("thinking_token_budget")
+    @classmethod
+    def _thinking_token_budget(cls, v):
+        return _in_range("thinking_token_budget", v, 0)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, v):
+        return _in_range("prompt_logprobs", v, 0, MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ParamError("prompt_logprobs", f"prompt_logprobs={self.prompt_logprobs} is returned in a "
+                                                "non-streamed response only: set stream to false")
+        return self
 
     @field_validator("max_tokens")
     @classmethod
@@ -237,6 +439,8 @@ class SamplingRequest(BaseModel):
 
     def sampling_params(self, num_prompts: int) -> list[SamplingParams]:
         """One ``SamplingParams`` per choice, prompt-major; choice ``j`` of a seeded request gets seed + j."""
+        structured = self.structured
+        extra = {} if structured is None else {"structured_outputs": structured.params()}
         params = []
         for _ in range(num_prompts):
             for j in range(self.n):
@@ -251,7 +455,9 @@ class SamplingRequest(BaseModel):
                         repetition_penalty=self.repetition_penalty,
                         presence_penalty=self.presence_penalty or 0.0,
                         frequency_penalty=self.frequency_penalty or 0.0, logprobs=self.num_logprobs,
-                        kv_budget_tokens=self.kv_budget_tokens, compression=self.compression))
+                        kv_budget_tokens=self.kv_budget_tokens, compression=self.compression,
+                        thinking_token_budget=self.thinking_token_budget, prompt_logprobs=self.prompt_logprobs,
+                        **extra))
                 except ValueError as error:
                     raise ApiError(400, str(error)) from None
         return params
@@ -304,11 +510,63 @@ class CompletionRequest(SamplingRequest):
         return self
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if not FUNCTION_NAME.fullmatch(v):
+            raise ValueError(f"a function name must be 1 to 64 letters, digits, _ or -, got {_short(v)}")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, v, info: ValidationInfo):
+        if v is not None:
+            try:
+                check_schema("parameters", v, _limits(info))
+            except ParamError as error:  # named by its place in the body instead
+                raise ValueError(str(error)) from None
+        return v
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    arguments: str | dict  # OpenAI sends JSON text; the template gets it parsed (as vLLM does)
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made, sent back with the conversation."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_call_id, ...: passed to the template
+    model_config = ConfigDict(extra="allow", strict=True)  # name, ...: passed to the template
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -346,6 +604,100 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict | None = None  # passed to the chat template (e.g. enable_thinking)
     logprobs: bool | None = False  # log probabilities of each token of the answer
     top_logprobs: int | None = None  # with logprobs: and of this many alternatives
+    tools: list[Tool] | None = None  # functions the model may call, rendered by the chat template
+    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None  # false: at most one call
+    _tool_structured: StructuredSpec | None = PrivateAttr(None)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_count(cls, v, info: ValidationInfo):
+        limits = _limits(info)
+        if isinstance(v, list) and len(v) > limits.max_tools:  # before each tool is validated
+            raise ValueError(f"tools holds {len(v)} tools; at most {limits.max_tools} are allowed (max_tools)")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        names = [tool.function.name for tool in v or []]
+        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+        if twice is not None:
+            raise ValueError(f"tools names the function {twice!r} twice")
+        return v or None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        usage = 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        if not isinstance(v, dict) or set(v) != {"type", "function"} or v["type"] != "function":
+            raise ValueError(f"{usage}, got {_short(v)}")
+        function = v["function"]
+        if not isinstance(function, dict) or set(function) != {"name"} or not isinstance(function["name"], str):
+            raise ValueError(f"{usage}, got {_short(v)}")
+        return {"type": "function", "function": {"name": function["name"]}}
+
+    @model_validator(mode="after")
+    def _tool_use(self, info: ValidationInfo):
+        """The tool choice against the tools (``tool_choice`` defaults to "auto" with tools, "none"
+        without, as OpenAI's); "required" and a named function hold the output to a JSON schema."""
+        choice = self.tool_choice
+        if choice is None or (choice == "auto" and self.tools is None):
+            choice = "auto" if self.tools else "none"
+        if choice != "none" and self.tools is None:
+            raise ParamError("tool_choice", f"tool_choice={_short(choice)} needs tools; none were given")
+        names = [tool.function.name for tool in self.tools or []]
+        if isinstance(choice, dict) and choice["function"]["name"] not in names:
+            raise ParamError("tool_choice", f"tool_choice names the function {_short(choice['function']['name'])}, "
+                                            f"which is not among tools: {_short(', '.join(names))}")
+        self.tool_choice = choice
+        if choice in ("none", "auto"):
+            return self
+        if self.structured is not None:
+            param = "response_format" if self.response_format is not None else "structured_outputs"
+            raise ParamError(param, f"{param} cannot be combined with tool_choice={_short(choice)}, which holds the "
+                                    "output to the tools' schema")
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        if choice == "required":
+            schema = required_schema(tools, self.parallel_tool_calls is not False)
+        else:
+            schema = function_parameters(next(t for t in tools if t["function"]["name"] == choice["function"]["name"]))
+        size, limit = _json_bytes(schema), _limits(info).max_schema_bytes
+        if size > limit:
+            raise ParamError("tools", f"tool_choice={_short(choice)} holds the output to a schema of the tools' "
+                                      f"parameters of {size} bytes; at most {limit} are allowed (max_schema_bytes)")
+        self._tool_structured = StructuredSpec({"json": schema}, "tools")
+        return self
+
+    @property
+    def structured(self) -> StructuredSpec | None:
+        return self.response_format or self.structured_outputs or self._tool_structured
+
+    @property
+    def tool_mode(self) -> str:
+        """How the answer is read for tool calls: "none", "auto", "required" or "named"."""
+        return "named" if isinstance(self.tool_choice, dict) else self.tool_choice
+
+    def template_messages(self) -> list[dict]:
+        """The messages as the chat template gets them: the arguments of earlier calls parsed
+        from JSON text into objects (templates write them with ``tojson``), as vLLM does."""
+        messages = [m.model_dump(exclude_none=True) for m in self.messages]
+        for message in messages:
+            for call in message.get("tool_calls", ()):
+                arguments = call["function"]["arguments"]
+                if isinstance(arguments, str):
+                    try:
+                        parsed = json.loads(arguments)
+                    except (ValueError, RecursionError):
+                        continue  # left as text: a template writes a string as it is
+                    if isinstance(parsed, dict):
+                        call["function"]["arguments"] = parsed
+        return messages
+
+    def template_tools(self) -> list[dict] | None:
+        return None if self.tools is None else [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @field_validator("top_logprobs")
     @classmethod
@@ -478,6 +830,8 @@ def parse_body(raw: bytes, model_class: type[BaseModel], limits: RequestLimits =
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     _check_values(data)
     for name, neutral in NEUTRAL_FIELDS.items():
+        if name in model_class.model_fields:
+            continue
         value = data.get(name)
         if name in data and not any(value == v and isinstance(value, bool) == isinstance(v, bool)
                                     for v in neutral):
@@ -496,6 +850,7 @@ def parse_body(raw: bytes, model_class: type[BaseModel], limits: RequestLimits =
             message = f"unknown parameter {_short(param)}"
         elif first["type"] == "value_error":
             message = str(first["ctx"]["error"])
+            param = getattr(first["ctx"]["error"], "param", param)
         else:
             message = f"{param}: {first['msg'].lower()}, got {_short(first.get('input'))}"
         raise ApiError(400, message, param=param) from None

@@ -43,7 +43,7 @@ class ReasoningParser:
             raise ValueError(f"the {name} reasoning parser needs the model's tokenizer; this checkpoint has none")
         self.name, self.flavour, self.tokenizer = name, PARSERS[name], tokenizer
         self.start_id, self.end_id = _single_token_id(tokenizer, START_TAG), _single_token_id(tokenizer, END_TAG)
-        special = _special_ids(tokenizer)
+        special = special_ids(tokenizer)
         self._start_special = self.start_id is not None and self.start_id in special
         self._end_special = self.end_id is not None and self.end_id in special
         self._stop_ids = special - {self.start_id, self.end_id}  # a turn's boundary: the prompt tail ends there
@@ -158,42 +158,9 @@ def _single_token_id(tokenizer, tag: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def _special_ids(tokenizer) -> set[int]:
+def special_ids(tokenizer) -> set[int]:
     """Ids of the tokens that ``skip_special_tokens`` drops from text."""
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     ids.update(i for i, t in decoder.items() if getattr(t, "special", False))
     return ids
-
-
-class ChatReasoning:
-    """The reasoning split of one chat call's choices, in the API's shapes: ``observe`` every
-    output as it comes; ``message`` (a whole response) or ``delta`` (a stream chunk) per choice."""
-
-    def __init__(self, parser: ReasoningParser, in_reasoning: bool, skip_special_tokens: bool, num_choices: int):
-        self.splitters = [parser.start(in_reasoning, skip_special_tokens) for _ in range(num_choices)]
-
-    def observe(self, index: int, output) -> None:
-        out = output.outputs[0]
-        splitter = self.splitters[index]
-        splitter.feed(out.text, out.token_ids)
-        if output.finished:
-            splitter.finish()
-
-    def message(self, index: int) -> dict:
-        """A response's ``message``: content None when the output ended still thinking, as vLLM."""
-        splitter = self.splitters[index]
-        splitter.finish()
-        reasoning, content = splitter.take()
-        reasoning = reasoning or None
-        if not content and splitter.saw_reasoning:
-            content = None
-        return {"role": "assistant", "content": content, "reasoning": reasoning, "reasoning_content": reasoning}
-
-    def delta(self, index: int) -> dict:
-        """A chunk's ``delta``: the reasoning and the answer ready since the last one (either may be absent)."""
-        reasoning, content = self.splitters[index].take()
-        delta = {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning else {}
-        if content:
-            delta["content"] = content
-        return delta
