@@ -327,6 +327,33 @@ def test_decode_benchmark_profiles_steps(tmp_path, capsys):
     assert "--profile-steps >= 0 (got -1)" in capsys.readouterr().err
 
 
+def test_decode_benchmark_runs_every_sampling_variant_beside_plain(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    code = cli_main(["bench", "decode", "--shape", "tiny", "--batch", "3", "--context", "40", "--steps", "8",
+                     "--modes", "eager", "--device", "cpu", "--block-size", "16", "--kv-budget-tokens", "32",
+                     "--variants", "logprobs,json,budgets,penalties", "--out", str(out)])
+    assert code == 0
+    record = json.loads(out.read_text())
+    rows = {r["sampling"]: r for r in record["rows"]}
+    assert list(rows) == ["plain", "logprobs", "json", "budgets", "penalties"]
+    assert rows["plain"]["vs_plain"] == 1.0 and all(r["timed_steps"] >= 5 and r["vs_plain"] > 0 for r in rows.values())
+    assert record["json_schema"]["required"] == ["reasoning", "answer"] and record["kv_budget_tokens"] == 32
+    capsys.readouterr()
+    assert cli_main(["bench", "decode", "--shape", "tiny", "--device", "cpu", "--variants", "budgets"]) != 0
+    assert "--variants budgets needs --kv-budget-tokens" in capsys.readouterr().err
+    assert cli_main(["bench", "decode", "--shape", "tiny", "--device", "cpu", "--variants", "fast"]) != 0
+    assert "unknown ['fast']" in capsys.readouterr().err
+
+
+def test_synthetic_tokenizer_has_the_size_asked_and_round_trips_text():
+    from zipage.utils.checkpoint import build_tokenizer
+
+    tok = build_tokenizer(20000, synthetic=True)
+    assert len(tok) == 20000
+    text = '{"reasoning": "Let x = 12; then x * 3 = 36.", "answer": 36}'
+    assert tok.decode(tok.encode(text)) == text
+
+
 def test_compression_benchmark_beside_decode_runs_and_returns_every_block(tmp_path):
     """Stages of one compression, then its cost beside other requests' decode steps (CPU: a smoke
     test; the bench itself raises if a block was not returned)."""

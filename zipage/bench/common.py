@@ -15,13 +15,14 @@ import torch
 COPY_BANDWIDTH_BYTES_PER_S = 4.27e12  # measured device-to-device copy on the H200 (2026-11-29)
 
 
-def model_dir_for(model: str | None, shape: str, arch: str) -> tuple[str, str]:
-    """(directory, load_format): a real checkpoint, or a named shape's config with dummy weights."""
+def model_dir_for(model: str | None, shape: str, arch: str, full_vocab: bool = False) -> tuple[str, str]:
+    """(directory, load_format): a real checkpoint, or a named shape's config with dummy weights
+    (``full_vocab``: with a synthetic tokenizer of the shape's vocabulary size)."""
     if model:
         return model, "auto"
     from zipage.utils.checkpoint import make_checkpoint
-    path = os.path.join(tempfile.gettempdir(), f"zipage-shape-{arch}-{shape}")
-    make_checkpoint(path, arch=arch, shape=shape, dtype=torch.bfloat16, with_weights=False)
+    path = os.path.join(tempfile.gettempdir(), f"zipage-shape-{arch}-{shape}{'-full-vocab' if full_vocab else ''}")
+    make_checkpoint(path, arch=arch, shape=shape, dtype=torch.bfloat16, with_weights=False, full_vocab=full_vocab)
     return path, "dummy"
 
 

@@ -3,8 +3,16 @@
 For each batch size, ``batch`` requests with ``context``-token random prompts are
 prefilled, then decoded together for ``steps`` steps. The roofline is the time
 the step's unavoidable bytes (weights once, plus every request's KV) take at the
-measured copy bandwidth. With ``--penalties`` each batch runs again with repetition,
-presence and frequency penalties on every request, printed beside the plain run.
+measured copy bandwidth.
+
+``--variants`` runs each batch again with the sampling features a server uses, each
+printed beside the plain run (``vs_plain``: its mean step's tokens/s over plain's):
+``penalties`` (repetition, presence and frequency on every request), ``logprobs`` (5
+alternatives per token), ``json`` (every request held to a JSON schema with a long
+free-text field, through xgrammar; the checkpoint then gets a synthetic tokenizer of the
+shape's vocabulary size, so that the grammar masks cost what they would), ``budgets``
+(with ``--kv-budget-tokens``: a third of the requests at the engine's budget, a third
+at half, a third at a quarter).
 """
 
 from __future__ import annotations
@@ -21,6 +29,11 @@ from zipage.bench.profile import StepProfiler, breakdown
 
 # ``--penalties``: every request penalised (token counts read and updated on the device each step)
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
+# ``json``: an answer with a free-text field, as a reasoning or extraction schema has; a random model
+# stays in the string (the synthetic vocabulary has few tokens that close it), so the mask stays on
+JSON_SCHEMA = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
+               "required": ["reasoning", "answer"]}
+VARIANTS = ("plain", "penalties", "logprobs", "json", "budgets")
 
 
 def add_decode_parser(sub) -> None:
@@ -37,9 +50,12 @@ def add_decode_parser(sub) -> None:
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after the timed steps, record this many with torch.profiler and print where the "
                         "step's time goes, kernels grouped by kind (0: none)")
-    p.add_argument("--penalties", action="store_true",
-                   help="run each batch again with repetition 1.1, presence 0.5 and frequency 0.5 on every "
-                        "request, beside the plain run (vs_plain: its tokens/s over the plain run's)")
+    p.add_argument("--penalties", action="store_true", help="the same as adding 'penalties' to --variants")
+    p.add_argument("--variants", default="plain",
+                   help=f"comma-separated, from {', '.join(VARIANTS)}: each batch runs with each, beside plain "
+                        "(see the module's help: zipage/bench/decode.py)")
+    p.add_argument("--kv-budget-tokens", type=int, default=None,
+                   help="run with compression at this budget (the 'budgets' variant needs it)")
     p.add_argument("--out", default=None, help="write JSON results here")
     p.set_defaults(func=run_decode_bench)
 
@@ -59,25 +75,31 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     if args.steps < 3 or args.profile_steps < 0:
         raise ValueError(f"--steps must be >= 3 (got {args.steps}) and --profile-steps >= 0 "
                          f"(got {args.profile_steps})")
-    model_dir, load_format = model_dir_for(args.model, args.shape, args.arch)
+    variants = _variants(args)
+    model_dir, load_format = model_dir_for(args.model, args.shape, args.arch, full_vocab="json" in variants)
     batches = [int(b) for b in args.batch.split(",")]
-    variants = {"plain": {}, "penalties": PENALTIES} if args.penalties else {"plain": {}}
+    compression = None
+    if args.kv_budget_tokens is not None:
+        from zipage.config import CompressionConfig
+        compression = CompressionConfig(kv_budget_tokens=args.kv_budget_tokens)
     rows = []
     for mode in args.modes.split(","):
         llm = LLM(model_dir, load_format=load_format, device=args.device, block_size=args.block_size,
                   max_num_seqs=max(batches), max_model_len=args.context + args.steps + args.profile_steps + 8,
-                  enforce_eager=(mode == "eager"), enable_prefix_caching=False)
+                  enforce_eager=(mode == "eager"), enable_prefix_caching=False, compression=compression)
         runner = llm.engine.runner
         rng = random.Random(0)
         for batch in batches:
             prompts = [[rng.randrange(runner.vocab_size) for _ in range(args.context)] for _ in range(batch)]
-            for variant, penalties in variants.items():
+            plain = None
+            for variant, make_params in variants.items():
                 row = dict(mode=mode, batch=batch, context=args.context)
-                if args.penalties:
+                if len(variants) > 1:
                     row["sampling"] = variant
-                row.update(_run_batch(llm, args, prompts, penalties))
-                if args.penalties:
-                    row["vs_plain"] = row["tokens_per_s"] / rows[-1]["tokens_per_s"] if penalties else 1.0
+                row.update(_run_batch(llm, args, prompts, make_params))
+                if len(variants) > 1:
+                    plain = plain or row
+                    row["vs_plain"] = row["mean_tokens_per_s"] / plain["mean_tokens_per_s"]
                 rows.append(row)
                 print_table(rows[-1:], [c for c in row if c != "profile"])
                 if "profile" in row:
@@ -91,19 +113,44 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     print()
     print_table(rows, [c for c in rows[0] if c != "profile"])
     write_json(args.out, dict(benchmark="decode", model=args.model or args.shape, rows=rows,
-                              block_size=args.block_size, steps=args.steps))
+                              block_size=args.block_size, steps=args.steps, kv_budget_tokens=args.kv_budget_tokens,
+                              json_schema=JSON_SCHEMA if "json" in variants else None))
     return 0
 
 
-def _run_batch(llm, args: argparse.Namespace, prompts: list[list[int]], penalties: dict) -> dict:
+def _variants(args: argparse.Namespace) -> dict:
+    """{name: the extra SamplingParams of request i (a function of i)}, plain first."""
+    names = [v for v in args.variants.split(",") if v]
+    if args.penalties and "penalties" not in names:
+        names.append("penalties")
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    budget = args.kv_budget_tokens
+    if "budgets" in names:
+        if budget is None:
+            raise ValueError("--variants budgets needs --kv-budget-tokens (the engine's budget)")
+        block = args.block_size
+        smaller = [max(block, budget // d // block * block) for d in (1, 2, 4)]
+    makers = {
+        "plain": lambda i: {},
+        "penalties": lambda i: PENALTIES,
+        "logprobs": lambda i: {"logprobs": 5},
+        "json": lambda i: {"structured_outputs": {"json": JSON_SCHEMA}},
+        "budgets": lambda i: {"kv_budget_tokens": smaller[i % 3]},
+    }
+    return {name: makers[name] for name in ["plain"] + [n for n in names if n != "plain"]}
+
+
+def _run_batch(llm, args: argparse.Namespace, prompts: list[list[int]], make_params) -> dict:
     """Prefill ``prompts`` together, decode them ``args.steps`` steps (plus any profiled ones) and
-    return the median step's numbers."""
+    return the median step's numbers (and the mean step's, which counts the slow ones too)."""
     from zipage import SamplingParams
 
     runner, batch = llm.engine.runner, len(prompts)
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         llm.engine.add_request(prompt, SamplingParams(
-            temperature=0, max_tokens=args.steps + args.profile_steps + 1, ignore_eos=True, **penalties))
+            temperature=0, max_tokens=args.steps + args.profile_steps + 1, ignore_eos=True, **make_params(i)))
     decode_times, host_times = [], []
     profiler, kernels, profiled = None, None, 0
     while llm.engine.has_unfinished_requests():
@@ -123,13 +170,18 @@ def _run_batch(llm, args: argparse.Namespace, prompts: list[list[int]], penaltie
                 kernels = profiler.stop()
     if profiler is not None and kernels is None and profiled:
         kernels = profiler.stop()
+    if len(decode_times) < 3:
+        raise RuntimeError(f"only {len(decode_times)} decode steps ran the whole batch of {batch} (requests "
+                           "ended early): nothing to time")
     step = sorted(decode_times[2:])[len(decode_times[2:]) // 2]  # median after warm-up
+    mean = sum(decode_times[2:]) / len(decode_times[2:])
     host = sorted(host_times[2:])[len(host_times[2:]) // 2]
     spec = runner.spec
     kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * runner.dtype.itemsize
     bytes_per_step = _weight_bytes(runner.model) + batch * (args.context + args.steps / 2) * kv_bytes_per_token
     floor = bytes_per_step / COPY_BANDWIDTH_BYTES_PER_S
-    row = dict(step_ms=1000 * step, host_ms=1000 * host, tokens_per_s=batch / step,
+    row = dict(step_ms=1000 * step, host_ms=1000 * host, tokens_per_s=batch / step, mean_tokens_per_s=batch / mean,
+               timed_steps=len(decode_times) - 2,
                roofline_tokens_per_s=batch / floor, roofline_fraction=floor / step)
     if kernels is not None:
         row["profile"] = breakdown(kernels, profiled, step)

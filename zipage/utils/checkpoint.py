@@ -92,18 +92,62 @@ SHAPES = {
 }
 
 
-def build_tokenizer(vocab_size: int = 384, thinking: str | None = None):
+def _synthetic_merges(vocab_size: int, seed: int = 0) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE vocabulary of ``vocab_size`` entries built by merging random pairs: words
+    and word pieces (most with a leading space, as real vocabularies), digits, punctuation and
+    JSON-like runs, of lengths like a real tokenizer's. Not trained on any text: for benchmarks
+    whose cost depends on the vocabulary's size and content (grammar masks, detokenization)."""
+    import random
+
+    from tokenizers import pre_tokenizers
+
+    rng = random.Random(seed)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + alphabet)}
+    space = "\u0120"  # the byte-level alphabet's space
+    letters = "etaoinshrdlcumwfgypbvkjxqz"
+    weights = [26 - i for i in range(len(letters))]
+    # No quote inside longer tokens but the three starts below: a random model writing a JSON
+    # string then rarely closes it, so a structured-output benchmark stays in the string.
+    pieces = [c for c in letters] + [c.upper() for c in letters[:12]] + list("0123456789") + list("{}[]:,.-_()")
+    starts = [space + c for c in letters] + list(letters) + list("0123456789") + [space + '"', '":', '",']
+    merges, tokens = [], list(starts)
+    for start in starts:  # the two-character starts are merges of single characters
+        if start not in vocab:
+            vocab[start] = len(vocab)
+            merges.append((start[0], start[1:]))
+    while len(vocab) < vocab_size:
+        left = rng.choice(tokens)
+        right = rng.choices(letters, weights)[0] if rng.random() < 0.85 else rng.choice(pieces)
+        new = left + right
+        if len(new) > 14 or new in vocab:
+            continue
+        vocab[new] = len(vocab)
+        merges.append((left, right))
+        tokens.append(new)
+    return vocab, merges
+
+
+def build_tokenizer(vocab_size: int = 384, thinking: str | None = None, synthetic: bool = False):
     """A byte-level BPE tokenizer (any text round-trips) with ChatML special tokens; ``thinking``
-    (a key of ``THINKING``): a chat template with think blocks, and <think>, </think> as tokens."""
+    (a key of ``THINKING``): a chat template with think blocks, and <think>, </think> as tokens.
+    ``synthetic``: ``vocab_size`` entries made up by ``_synthetic_merges`` instead of trained on
+    the built-in text (which gives a few hundred): a vocabulary the size of a real model's."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
+    if synthetic:
+        tok = Tokenizer(models.BPE(*_synthetic_merges(vocab_size)))
+    else:
+        tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    if synthetic:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    else:
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train_from_iterator([_CORPUS] * 4, trainer)
     template = CHATML_TEMPLATE
     if thinking is not None:
         if thinking not in THINKING:
@@ -143,11 +187,15 @@ def hf_config(arch: str = "qwen3", shape: str = "tiny", vocab_size: int | None =
 
 def make_checkpoint(path: str, arch: str = "qwen3", shape: str = "tiny", dtype: torch.dtype = torch.float32,
                     seed: int = 0, with_weights: bool = True, max_shard_size: str | None = None,
-                    thinking: str | None = None, **overrides) -> str:
+                    thinking: str | None = None, full_vocab: bool = False, **overrides) -> str:
     """Write config.json, tokenizer files and (optionally) random safetensors weights to ``path``;
-    ``thinking``: the tokenizer's (``build_tokenizer``)."""
+    ``thinking``: the tokenizer's (``build_tokenizer``). ``full_vocab`` (a shape with its own
+    vocabulary size): a synthetic tokenizer of about that size, not the small trained one."""
     os.makedirs(path, exist_ok=True)
-    tokenizer = build_tokenizer(thinking=thinking)
+    if full_vocab and "vocab_size" in SHAPES[shape]:
+        tokenizer = build_tokenizer(SHAPES[shape]["vocab_size"] - 256, thinking=thinking, synthetic=True)
+    else:
+        tokenizer = build_tokenizer(thinking=thinking)
     vocab = None if "vocab_size" in SHAPES[shape] else len(tokenizer)
     config = hf_config(arch, shape, vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
                        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **overrides)
