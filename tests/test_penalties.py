@@ -400,4 +400,4 @@ def test_decode_benchmark_runs_penalties_beside_plain(tmp_path):
                      "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["sampling"]) for r in rows] == [(2, "plain"), (2, "penalties")]
-    assert rows[0]["vs_plain"] == 1.0 and rows[1]["vs_plain"] == rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    assert rows[0]["vs_plain"] == 1.0 and rows[1]["vs_plain"] == rows[1]["mean_tokens_per_s"] / rows[0]["mean_tokens_per_s"]
