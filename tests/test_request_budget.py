@@ -190,6 +190,14 @@ def test_server_takes_the_budget_fields_on_both_endpoints(checkpoint_dir):
             assert response.json()["choices"][0]["text"] == refs[ref], fields
         chat = post("chat/completions", messages=[{"role": "user", "content": "hi"}], kv_budget_tokens=BLOCK)
         assert chat.status_code == 200, chat.text
+        # the official client, streamed and not: the same text as the budget's reference
+        import openai
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        extra = {"ignore_eos": True, "kv_budget_tokens": BLOCK}
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=60, temperature=0, extra_body=extra)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=60, temperature=0, extra_body=extra, stream=True) if c.choices)
+        assert whole.choices[0].text == streamed == refs["small"]
         bad = [
             (dict(kv_budget_tokens=3 * BLOCK), "kv_budget_tokens",
              f"kv_budget_tokens=48 must be a multiple of block_size={BLOCK} in [16, 32]"),
@@ -211,8 +219,8 @@ def test_server_takes_the_budget_fields_on_both_endpoints(checkpoint_dir):
             assert time.monotonic() < deadline, "requests still in the engine"
             time.sleep(0.05)
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-        # per budget: the small-budget completion and chat, the full-KV completion; 60 tokens each
-        assert f'zipage_requests_finished_by_kv_budget_total{{kv_budget="{BLOCK}"}} 2.0' in metrics
+        # per budget: the small-budget completions (three) and chat, the full-KV completion; 60 tokens each
+        assert f'zipage_requests_finished_by_kv_budget_total{{kv_budget="{BLOCK}"}} 4.0' in metrics
         assert 'zipage_requests_finished_by_kv_budget_total{kv_budget="full"} 1.0' in metrics
         assert 'zipage_generation_tokens_by_kv_budget_total{kv_budget="full"} 60.0' in metrics
         assert f'zipage_requests_running_by_kv_budget{{kv_budget="{BLOCK}"}} 0.0' in metrics

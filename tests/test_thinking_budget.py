@@ -187,6 +187,16 @@ def test_thinking_budget_over_http(model_dir):
                                                   extra_body={"ignore_eos": True, "thinking_token_budget": 3})
         message = response.choices[0].message
         assert message.model_extra["reasoning"] == thinking and (message.content or "") == answer
+        # streamed, with the server's own budget field beside it: the same text
+        chunks = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12,
+                                                stream=True, extra_body={"ignore_eos": True, "thinking_token_budget": 3,
+                                                                         "kv_budget_tokens": None})
+        reasoning, content = "", ""
+        for chunk in chunks:
+            for choice in chunk.choices:
+                reasoning += (choice.delta.model_extra or {}).get("reasoning") or ""
+                content += choice.delta.content or ""
+        assert (reasoning, content) == (thinking, answer)
         for bad, words in ((-1, "thinking_token_budget must be in [0, inf), got -1"), ("x", "'x'")):
             error = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
                 "model": "tiny", "messages": messages, "thinking_token_budget": bad}).json()["error"]
