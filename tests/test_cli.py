@@ -25,7 +25,7 @@ def test_help_lists_every_command_with_a_plain_description(capsys):
     parser = build_parser()
     found = list(_subcommands(parser))
     top = dict((p, h) for p, _, h in found)[()]
-    assert set(top) == {"generate", "demo", "bench", "serve", "eval", "train-synthetic"}
+    assert set(top) == {"generate", "demo", "bench", "serve", "run-batch", "eval", "train-synthetic"}
     for path, sub, helps in found:
         text = " ".join(sub.format_help().split())  # argparse wraps lines
         assert "`" not in text, f"zipage {' '.join(path)} --help shows backticks"
@@ -43,6 +43,7 @@ def test_help_lists_every_command_with_a_plain_description(capsys):
 MODEL_COMMANDS = {
     "generate": ["generate", "--model", "m", "--prompt", "p"],
     "serve": ["serve", "m"],
+    "run-batch": ["run-batch", "m", "-i", "in.jsonl", "-o", "out.jsonl"],
     "eval math": ["eval", "math", "--model", "m", "--data", "d.jsonl"],
     "bench throughput": ["bench", "throughput"],
     "bench replay": ["bench", "replay"],

@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)
+    from zipage.batch import add_batch_parser
+    add_batch_parser(sub)
     from zipage.quality.eval import add_eval_parser
     from zipage.quality.train import add_train_parser
     add_eval_parser(sub)
