@@ -182,6 +182,10 @@ def add_batch_parser(sub) -> None:
     p.add_argument("--concurrency", type=int, default=None,
                    help="requests in flight at once (default: twice --max-num-seqs)")
     p.add_argument("--served-model-name", default=None, help="the model name the bodies may give")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas on Ray actors (needs the ray extra); 1: this process alone")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. ray://host:10001 or auto) instead of starting a local one")
     from zipage.cli import add_engine_args
     from zipage.server.reasoning import PARSERS
     from zipage.server.tools import PARSERS as TOOL_PARSERS
@@ -193,19 +197,44 @@ def add_batch_parser(sub) -> None:
 
 
 def _run_batch_command(args: argparse.Namespace) -> int:
+    lines = read_requests(args.input)  # a bad file fails before the model loads
+    del lines
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    server = dict(reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                  enable_auto_tool_choice=args.enable_auto_tool_choice)
+    if args.data_parallel_size > 1 or args.ray_address:
+        counts = _run_on_ray(args, server)
+    else:
+        counts = _run_here(args, server)
+    print(f"{counts['ok']} answered, {counts['refused']} refused by the API, {counts['invalid']} not requests, "
+          f"{counts['skipped']} already in {args.output}")
+    return 0
+
+
+def _run_on_ray(args: argparse.Namespace, server: dict) -> dict:
+    import torch
+
+    from zipage.cli import engine_kwargs
+    try:
+        from zipage.ray_batch import run_batch_ray
+        import ray  # noqa: F401
+    except ImportError:
+        raise ValueError('--data-parallel-size and --ray-address run on Ray: pip install "zipage[ray]"') from None
+    engine = engine_kwargs(args)
+    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    return run_batch_ray(args.model, args.input, args.output, args.data_parallel_size, engine,
+                         args.served_model_name, server, args.ray_address,
+                         gpus_per_replica=args.tensor_parallel_size if on_gpu else 0)
+
+
+def _run_here(args: argparse.Namespace, server: dict) -> dict:
     from zipage import LLM
     from zipage.cli import engine_kwargs
     from zipage.server.app import create_app
 
-    lines = read_requests(args.input)  # a bad file fails before the model loads
-    del lines
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     llm = LLM(args.model, **engine_kwargs(args))
     concurrency = args.concurrency or 2 * llm.engine.config.scheduler.max_num_seqs
-    app = create_app(llm.engine, name, max_queued_requests=max(1024, concurrency),
-                     reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                     enable_auto_tool_choice=args.enable_auto_tool_choice)
-    counts = run_batch(app, name, args.input, args.output, concurrency)
-    print(f"{counts['ok']} answered, {counts['refused']} refused by the API, {counts['invalid']} not requests, "
-          f"{counts['skipped']} already in {args.output}")
-    return 0
+    app = create_app(llm.engine, name, max_queued_requests=max(1024, concurrency), **server)
+    return run_batch(app, name, args.input, args.output, concurrency)
