@@ -225,4 +225,11 @@ def test_server_takes_the_budget_fields_on_both_endpoints(checkpoint_dir):
         assert 'zipage_generation_tokens_by_kv_budget_total{kv_budget="full"} 60.0' in metrics
         assert f'zipage_requests_running_by_kv_budget{{kv_budget="{BLOCK}"}} 0.0' in metrics
         assert f'zipage_compressions_by_kv_budget_total{{kv_budget="{BLOCK}"}}' in metrics
+        # the gauges inference gateways read, under vLLM's names
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
+            assert f'{name}{{model_name="tiny"}} 0.0' in metrics
+        values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith(("vllm:kv_cache_usage_perc{", "vllm:gpu_cache_usage_perc{"))}
+        assert set(values) == {"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"}
+        assert 0 <= values["vllm:kv_cache_usage_perc"] == values["vllm:gpu_cache_usage_perc"] <= 1
     assert_pool_full(llm)

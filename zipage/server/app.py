@@ -65,7 +65,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("enable_auto_tool_choice needs a tool call parser (--tool-call-parser) to read the calls")
     reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser, engine.tokenizer)
-    async_engine = AsyncEngine(engine, ServerMetrics(), max_queued_requests, stream_interval, switch_interval)
+    async_engine = AsyncEngine(engine, ServerMetrics(model_name), max_queued_requests, stream_interval,
+                               switch_interval)
     preprocessor = Preprocessor(engine.tokenizer, limits or RequestLimits(), engine.max_prompt_tokens,
                                 preprocess_workers, trust_request_chat_template, escape_special_tokens)
 

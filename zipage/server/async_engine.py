@@ -438,10 +438,8 @@ class AsyncEngine:
             m.running_by_budget.labels(label).set(count)
         self._budget_labels = set(by_budget)
         used = bm.num_blocks - bm.num_free_blocks
-        m.running.set(self.num_running)
-        m.waiting.set(len(scheduler.waiting))
+        m.set_load(self.num_running, len(scheduler.waiting), used / bm.num_blocks)
         m.kv_blocks_used.set(used)
-        m.kv_usage.set(used / bm.num_blocks)
         return urgent
 
 

@@ -10,7 +10,14 @@ LATENCY_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.
 
 
 class ServerMetrics:
-    def __init__(self):
+    """The server's metrics. ``model_name`` labels the gauges published under vLLM's names
+    (``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``
+    and its older name ``vllm:gpu_cache_usage_perc``), which inference gateways (the Gateway
+    API inference extension, llm-d's endpoint picker) read to route requests. KV cache usage
+    is blocks in use over blocks: with compression, a request holds at most its budget's
+    blocks, so usage counts the requests' kept tokens, not their lengths."""
+
+    def __init__(self, model_name: str = ""):
         self.registry = CollectorRegistry()
         r = self.registry
         self.running = Gauge("zipage_requests_running", "Requests the engine is running", registry=r)
@@ -32,6 +39,13 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.latency = Histogram("zipage_request_latency_seconds", "From arrival to the last token",
                                  buckets=LATENCY_BUCKETS, registry=r)
+        vllm = dict(labelnames=["model_name"], registry=r)
+        self.router_gauges = [
+            (Gauge("vllm:num_requests_waiting", "Requests waiting for the engine (vLLM's name)", **vllm), "waiting"),
+            (Gauge("vllm:num_requests_running", "Requests the engine is running (vLLM's name)", **vllm), "running"),
+            (Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 = full (vLLM's name)", **vllm), "kv_usage"),
+            (Gauge("vllm:gpu_cache_usage_perc", "KV cache usage, 1 = full (vLLM's older name)", **vllm), "kv_usage")]
+        self.model_name = model_name
         # By KV budget: "full" (no compression) or the request's budget in tokens (its own or the
         # server's; multiples of the block size up to the server's, so few values).
         budget = ["kv_budget"]
@@ -46,6 +60,15 @@ class ServerMetrics:
         self.evicted_by_budget = Counter("zipage_evicted_tokens_by_kv_budget",
                                          "Tokens evicted from finished requests (per layer and KV head), by KV budget",
                                          budget, registry=r)
+
+    def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
+        """The engine's load, under Zipage's names and vLLM's."""
+        values = {"running": running, "waiting": waiting, "kv_usage": kv_usage}
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+        for gauge, key in self.router_gauges:
+            gauge.labels(self.model_name).set(values[key])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
