@@ -194,3 +194,23 @@ def test_aborting_a_constrained_request_leaves_nothing_behind(llm):
     while engine._launched is not None:  # the step in flight when they ended
         engine._collect_launched()
     assert_pool_full(llm)
+
+
+def test_json_without_free_whitespace_ends_where_any_whitespace_runs_on(model_dir):
+    """Greedy, the random model writes whitespace until max_tokens under JSON's own whitespace rule;
+    with structured_outputs_disable_any_whitespace it must write the object, compactly."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["a", "b", "c"]}},
+              "required": ["ok", "tag"], "additionalProperties": False}  # bounded: no integer to run on
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs={"json": schema})
+    loose = make_llm(model_dir).generate(["the answer is"], params, use_tqdm=False)[0].outputs[0]
+    assert loose.finish_reason == "length"  # the precondition that makes the option worth having
+    strict = make_llm(model_dir, structured_outputs_disable_any_whitespace=True)
+    out = strict.generate(["the answer is"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    value = json.loads(out.text)
+    assert set(value) == {"ok", "tag"} and out.text == json.dumps(value)  # one space after ',' and ':' only
+    with pytest.raises(ValueError, match="structured_outputs_disable_any_whitespace must be True or False"):
+        make_llm(model_dir, structured_outputs_disable_any_whitespace="yes")
+    from zipage.cli import build_parser
+    args = build_parser().parse_args(["serve", "m", "--structured-outputs-disable-any-whitespace"])
+    assert args.structured_outputs_disable_any_whitespace is True

@@ -25,6 +25,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
                    help="log probabilities of the model's logits (raw) or of the distribution sampled from "
                         "(processed: after penalties, temperature, top-k/top-p/min-p)")
+    g.add_argument("--structured-outputs-disable-any-whitespace", action="store_true",
+                   help="JSON schemas of structured output allow no whitespace but one space after ',' and ':' "
+                        "(a model then cannot spend its tokens on whitespace)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model's heads and weights over this many GPUs (processes)")
@@ -57,6 +60,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
                 async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format,
                 tensor_parallel_size=args.tensor_parallel_size, logprobs_mode=args.logprobs_mode,
+                structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
                 trust_remote_code=getattr(args, "trust_remote_code", False))
 
 

@@ -227,6 +227,10 @@ class EngineConfig:
     # raw_logprobs) or of the distribution sampled from ("processed": after penalties, temperature,
     # top-k / top-p / min-p)
     logprobs_mode: str = "raw"
+    # JSON grammars of structured output allow any whitespace between tokens (JSON's own rule);
+    # True: none beyond a single space after separators, as vLLM's disable_any_whitespace (a
+    # model that writes whitespace forever under a JSON grammar then cannot)
+    structured_outputs_disable_any_whitespace: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compression: CompressionConfig | None = None  # None: full KV
@@ -247,6 +251,9 @@ class EngineConfig:
                f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(self.logprobs_mode in ("raw", "processed"),
                f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+        _check(isinstance(self.structured_outputs_disable_any_whitespace, bool),
+               "structured_outputs_disable_any_whitespace must be True or False, got "
+               f"{self.structured_outputs_disable_any_whitespace!r}")
         _check(self.attention_backend in ("auto", "torch", "triton"),
                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         tp = self.tensor_parallel_size

@@ -116,12 +116,14 @@ class GrammarCompiler:
     in use is compiled once). Sizes are bounded by the caller (the server's limits); the time a
     grammar takes to compile is not."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int | None = None):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int | None = None,
+                 any_whitespace: bool = True):
         xgr = _xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads or _threads(),
                                              cache_limit_bytes=CACHE_LIMIT_BYTES)
         self.vocab_size = vocab_size
+        self.any_whitespace = any_whitespace  # JSON schemas: whitespace between tokens as JSON allows
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar, or ``ParameterError`` naming ``structured_outputs`` and the reason."""
@@ -129,7 +131,7 @@ class GrammarCompiler:
         compiler = self._compiler
         try:
             if kind == "json":
-                return compiler.compile_json_schema(text)
+                return compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
             if kind == "json_object":
                 return compiler.compile_builtin_json_grammar()
             if kind == "regex":

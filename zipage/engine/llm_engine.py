@@ -226,7 +226,9 @@ class LLMEngine:
                     raise ValueError("structured_outputs needs the checkpoint's tokenizer, and this one has none")
                 from zipage.structured import GrammarCompiler
 
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+                    any_whitespace=not self.config.structured_outputs_disable_any_whitespace)
             return self._grammar_compiler
 
     def add_sequence(self, seq: Sequence, stream: bool = False) -> None:
