@@ -114,3 +114,41 @@ def test_the_command_runs_a_file(checkpoint_dir, tmp_path, capsys):
                      "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "2"])
     assert code == 0 and "1 answered, 0 refused" in capsys.readouterr().out
     assert _results(output)["only"]["response"]["status_code"] == 200
+
+
+def test_a_run_killed_for_real_resumes(llm, checkpoint_dir, tmp_path):
+    """SIGKILL the command while it writes, then run again: every line once, the first ones as they were."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(_line(f"k{i}", prompt=f"Line {i}", max_tokens=24, temperature=0)
+                                  for i in range(16)) + "\n")
+    output = tmp_path / "results.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "zipage.cli", "run-batch", checkpoint_dir("qwen3"), "-i",
+                             str(requests), "-o", str(output), "--device", "cpu", "--dtype", "float32",
+                             "--block-size", "16", "--max-num-seqs", "1", "--concurrency", "1",
+                             "--served-model-name", MODEL], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (output.exists() and output.read_text().count("\n") >= 3):
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, "no result line within 120 s"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    before = output.read_text()
+    finished = before[:before.rfind("\n") + 1].splitlines(keepends=True)
+    assert 3 <= len(finished) < 16
+    counts = run_batch(_app(llm), MODEL, str(requests), str(output), concurrency=4, show_progress=False)
+    assert counts["skipped"] == len(finished) and counts["ok"] == 16 - len(finished)
+    lines = output.read_text().splitlines(keepends=True)
+    assert lines[:len(finished)] == finished
+    assert sorted(_results(output)) == sorted(f"k{i}" for i in range(16))
+    assert_pool_full(llm)
