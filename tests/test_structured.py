@@ -214,3 +214,53 @@ def test_json_without_free_whitespace_ends_where_any_whitespace_runs_on(model_di
     from zipage.cli import build_parser
     args = build_parser().parse_args(["serve", "m", "--structured-outputs-disable-any-whitespace"])
     assert args.structured_outputs_disable_any_whitespace is True
+
+
+@pytest.mark.parametrize("point", ["deferred_sample", "grammar_accept"])
+def test_a_fault_in_the_grammar_path_ends_only_its_requests(model_dir, point, monkeypatch):
+    """A deferred sampler that raises fails the requests of its step; a matcher that raises fails its
+    own request. The others give their tokens, every block returns, and the failed ones run again."""
+    from zipage import RequestsFailed
+    from zipage.structured import RequestGrammar
+
+    prompts = [f"request {i} of five" for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                             structured_outputs={"regex": "[ab]{30,40}"} if i % 2 == 0 else None)
+              for i in range(5)]
+    expected = [o.outputs[0].token_ids for o in make_llm(model_dir, max_num_seqs=3).generate(
+        prompts, params, use_tqdm=False)]
+    llm = make_llm(model_dir, max_num_seqs=3)
+    calls = [0]
+    if point == "deferred_sample":
+        real = llm.engine.runner.sample
+
+        def sample(step):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("injected fault in a deferred sampler")
+            return real(step)
+        monkeypatch.setattr(llm.engine.runner, "sample", sample)
+    else:
+        real = RequestGrammar.accept
+
+        def accept(self, token_id):
+            calls[0] += 1
+            if calls[0] == 7:
+                raise RuntimeError("injected fault in a matcher")
+            return real(self, token_id)
+        monkeypatch.setattr(RequestGrammar, "accept", accept)
+    with pytest.raises(RequestsFailed) as info:
+        llm.generate(prompts, params, use_tqdm=False)
+    outputs = info.value.outputs
+    failed = [i for i, o in enumerate(outputs) if o.outputs[0].finish_reason == "error"]
+    assert failed and len(failed) < 5 and all("injected fault" in outputs[i].error for i in failed)
+    if point == "grammar_accept":
+        assert len(failed) == 1 and "processing an output token" in outputs[failed[0]].error
+    for i, out in enumerate(outputs):
+        tokens = out.outputs[0].token_ids
+        assert tokens == (expected[i][:len(tokens)] if i in failed else expected[i]), f"request {i}"
+    assert_pool_full(llm)
+    monkeypatch.undo()
+    again = llm.generate([prompts[i] for i in failed], [params[i] for i in failed], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [expected[i] for i in failed]
+    assert_pool_full(llm)
