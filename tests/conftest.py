@@ -83,6 +83,7 @@ def assert_pool_full(llm) -> None:
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks leaked"
     assert all(c == 0 for c in bm.ref_counts)
+    assert engine._num_constrained == 0, f"{engine._num_constrained} requests with a grammar still counted"
 
 
 # -- kernel-test helpers ---------------------------------------------------------

@@ -264,3 +264,13 @@ def test_a_fault_in_the_grammar_path_ends_only_its_requests(model_dir, point, mo
     again = llm.generate([prompts[i] for i in failed], [params[i] for i in failed], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [expected[i] for i in failed]
     assert_pool_full(llm)
+
+
+def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(llm):
+    """Once the grammar has accepted its end, nothing may follow: the request stops there."""
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=30, ignore_eos=True,
+                            structured_outputs={"regex": "ab(c|d)"})
+    out = llm.generate(["x", "y"], [params, params], use_tqdm=False)
+    for o in out:
+        assert o.outputs[0].finish_reason == "stop" and re.fullmatch("ab(c|d)", o.outputs[0].text)
+    assert_pool_full(llm)

@@ -17,7 +17,7 @@ top-p / min-p masks), then the sampled token's value and rank and the top ``k``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -103,6 +103,7 @@ class SamplingTensors:
     # of the G constrained rows ([G] int64); see zipage/structured.py.
     bitmask: torch.Tensor | None = None
     bitmask_rows: torch.Tensor | None = None
+    constrained_rows: list[int] = field(default_factory=list)  # on the host: rows whose request has a grammar
     # Thinking budgets: the rows of requests with one ([T] int64) and their rows of the budget
     # state ([T] int64); see runner/thinking.py.
     thinking_rows: torch.Tensor | None = None

@@ -211,22 +211,26 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[i
     penalised = [i for i, p in enumerate(params) if p.has_penalties]
     if penalised:
         _add_penalties(st, [seqs[i] for i in penalised], penalised, len(seqs), penalty_rows or {}, device)
-    rows, tokens = [], []
-    for i, seq in enumerate(seqs):
+    rows, tokens, wanted, budgeted = [], [], [], []
+    for i, seq in enumerate(seqs):  # one pass for the per-row options
         p = params[i]
         if seq.num_output_tokens < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
             banned = [t for t in banned if t < vocab_size]
             rows += [i] * len(banned)
             tokens += banned
+        if p.logprobs is not None:
+            wanted.append(i)
+        if p.thinking_token_budget is not None:
+            budgeted.append(i)
+        if seq.grammar is not None:
+            st.constrained_rows.append(i)
     if rows:
         st.banned_rows = _on_device(rows, torch.int64, device)
         st.banned_tokens = _on_device(tokens, torch.int64, device)
-    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanted:
         st.logprob_rows = _on_device(wanted, torch.int64, device)
         st.max_logprobs = max(params[i].logprobs for i in wanted)
-    budgeted = [i for i, p in enumerate(params) if p.thinking_token_budget is not None]
     if budgeted:
         index = [(thinking_rows or {}).get(seqs[i], -1) for i in budgeted]
         if -1 in index:

@@ -377,7 +377,7 @@ class ModelRunner:
             self._inputs_read.record()
         self.last_prepare_s = time.perf_counter() - start
         step = LaunchedStep(self.device, seqs)
-        wanted = [(row, seq) for row, seq in enumerate(seqs) if shape.is_prefill and seq.needs_prompt_logprobs]
+        wanted = [(row, seq) for row, seq in enumerate(seqs) if seq.needs_prompt_logprobs] if shape.is_prefill else ()
         logits = self.logits(inputs, wanted, step.prompt)
         step.unsampled = (logits, st, self.trace.mark() if self.trace else None)
         if not defer_sampling:
@@ -393,8 +393,9 @@ class ModelRunner:
 
     def _sample(self, step: "LaunchedStep") -> None:
         logits, st, begin = step.unsampled
-        constrained = [(row, seq.grammar) for row, seq in enumerate(step.seqs)
-                       if seq.grammar is not None and not seq.is_finished and not seq.grammar.is_terminated]
+        seqs = step.seqs
+        constrained = [(row, seqs[row].grammar) for row in st.constrained_rows
+                       if not seqs[row].is_finished and not seqs[row].grammar.is_terminated]
         if constrained:
             self._add_bitmask(st, constrained)
         token_ids, logprobs = self.sampler.sample(logits, st)
