@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def add_bench_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, replay, decode, kernels, compression, host",
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, replay, decode, kernels, compression, host, router",
                            description="Benchmarks of the engine, its server and its kernels.")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     from zipage.bench.compression import add_compression_parser
@@ -12,6 +12,7 @@ def add_bench_parser(sub) -> None:
     from zipage.bench.host import add_host_parser
     from zipage.bench.kernels import add_kernel_parser
     from zipage.bench.replay import add_replay_parser
+    from zipage.bench.router_overhead import add_router_parser
     from zipage.bench.serving import add_serving_parser
     from zipage.bench.throughput import add_throughput_parser
     add_decode_parser(kinds)
@@ -21,3 +22,4 @@ def add_bench_parser(sub) -> None:
     add_replay_parser(kinds)
     add_serving_parser(kinds)
     add_host_parser(kinds)
+    add_router_parser(kinds)

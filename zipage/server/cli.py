@@ -45,6 +45,14 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accept tool_choice=\"auto\", the default when a request gives tools (needs "
                         "--tool-call-parser); without it such requests get 400, as vLLM answers them")
+    d = p.add_argument_group("data parallelism (needs the ray extra: docs/serving.md)")
+    d.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas (Ray actors, each with --tensor-parallel-size GPUs) behind this endpoint")
+    d.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (auto, or ray://host:10001), so replicas may run on its other hosts")
+    d.add_argument("--routing", default="prefix", choices=["prefix", "load", "round_robin"],
+                   help="how calls are spread: least load, keeping calls that share a prompt prefix together "
+                        "unless that replica is much busier (prefix); least load only (load); in turn (round_robin)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     r, c = RequestLimits(), ConnectionLimits()
@@ -157,19 +165,52 @@ def build_app(args: argparse.Namespace):
         raise ValueError(f"--preprocess-workers must be >= 1, got {args.preprocess_workers}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes): the parser reads the calls")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     key = api_key(args)
     limits = request_limits(args)  # checked before the model loads
     connection_limits(args)
-    llm = LLM(args.model, **engine_kwargs(args))
-    return create_app(llm.engine, served_model_name(args), api_key=key,
-                      max_queued_requests=args.max_queued_requests, stream_interval=stream_interval,
+    app_kwargs = dict(max_queued_requests=args.max_queued_requests, stream_interval=stream_interval,
                       switch_interval=args.switch_interval, limits=limits,
                       preprocess_workers=args.preprocess_workers,
                       trust_request_chat_template=args.trust_request_chat_template,
                       escape_special_tokens=args.escape_special_tokens,
-                      metrics_need_key=not args.unauthenticated_metrics,
                       reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                       enable_auto_tool_choice=args.enable_auto_tool_choice)
+    if args.data_parallel_size > 1 or args.ray_address:
+        return _build_router(args, key, limits, app_kwargs)
+    llm = LLM(args.model, **engine_kwargs(args))
+    return create_app(llm.engine, served_model_name(args), api_key=key,
+                      metrics_need_key=not args.unauthenticated_metrics, **app_kwargs)
+
+
+def _build_router(args: argparse.Namespace, key: str | None, limits, app_kwargs: dict):
+    """The router app over ``--data-parallel-size`` replicas on Ray; they stop when the app does."""
+    import contextlib
+
+    import torch
+
+    from zipage.cli import engine_kwargs
+    from zipage.server.replicas import ReplicaSet
+    from zipage.server.router import create_router_app
+
+    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    replicas = ReplicaSet(args.model, args.data_parallel_size, engine_kwargs(args), served_model_name(args),
+                          app_kwargs, ray_address=args.ray_address,
+                          gpus_per_replica=args.tensor_parallel_size if on_gpu else 0)
+    app = create_router_app(replicas, served_model_name(args), api_key=key, routing=args.routing, limits=limits,
+                            metrics_need_key=not args.unauthenticated_metrics)
+    serving = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            async with serving(app) as state:
+                yield state
+        finally:
+            replicas.shutdown()
+    app.router.lifespan_context = lifespan
+    return app
 
 
 def run_serve(args: argparse.Namespace) -> int:
