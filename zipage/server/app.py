@@ -83,12 +83,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
             loop.set_exception_handler(previous_handler)
 
     async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        require_api_key(request, api_key)
 
     # No /docs: the endpoints parse their bodies themselves.
     app = FastAPI(title="Zipage", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -131,6 +126,16 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         return await api.chat_completions(request)
 
     return app
+
+
+def require_api_key(request: Request, api_key: str | None) -> None:
+    """A 401 unless the request carries ``Authorization: Bearer <api_key>`` (any request, without a key)."""
+    if api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def check_api_key_value(api_key: str | None) -> None:

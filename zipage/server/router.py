@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 
@@ -141,7 +140,7 @@ def create_router_app(replicas, model_name: str, api_key: str | None = None, rou
     ``zipage.server.replicas.ReplicaSet`` is one."""
     import httpx
 
-    from zipage.server.app import _error_response, check_api_key_value
+    from zipage.server.app import _error_response, check_api_key_value, require_api_key
 
     check_api_key_value(api_key)
     limits = limits or RequestLimits()
@@ -206,12 +205,7 @@ def create_router_app(replicas, model_name: str, api_key: str | None = None, rou
     app.state.router = router
 
     def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        require_api_key(request, api_key)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
