@@ -66,7 +66,9 @@ problems use seeds from ``HELD_OUT_SEED`` up; training draws its seeds below it.
 
 A second task of a different structure, register tracing (``zipage.quality.tracing``),
 is registered in ``SPECS`` beside the ledger's variants ("tracing", "tracing-short",
-"tracing-tiny"); ``make_problem``, ``held_out_problems`` and the rest serve both.
+"tracing-tiny"), and so is a third with long prompts, retrieval over many facts
+(``zipage.quality.retrieval``: "retrieval", "retrieval-short", "retrieval-tiny");
+``make_problem``, ``held_out_problems`` and the rest serve all three.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from zipage.quality import tracing
+from zipage.quality import retrieval, tracing
 
 VALUE_NAMES = "abcdefgh"
 RULE_KEYS = "ABCDEFGHIJ"  # the rule for digit d is lettered RULE_KEYS[d]
@@ -106,14 +108,17 @@ class TaskSpec:
 
 
 # Named variants: "standard" is the trained ledger task; "short" and "tiny" serve CPU checks and CI.
-# The register-tracing variants follow the same pattern ("tracing", "tracing-short", "tracing-tiny").
+# The register-tracing and retrieval variants follow the same pattern ("tracing", "tracing-short",
+# "tracing-tiny"; "retrieval", "retrieval-short", "retrieval-tiny").
 SPECS = {
     "standard": TaskSpec(),
     "short": TaskSpec(min_steps=10, max_steps=24, milestone_every=5),
     "tiny": TaskSpec(min_steps=3, max_steps=6, milestone_every=2, num_values=3),
     **tracing.SPECS,
+    **retrieval.SPECS,
 }
-AnySpec = TaskSpec | tracing.TracingSpec
+AnySpec = TaskSpec | tracing.TracingSpec | retrieval.RetrievalSpec
+TINY_VARIANTS = {"ledger": "tiny", "tracing": "tracing-tiny", "retrieval": "retrieval-tiny"}
 
 
 @dataclass(frozen=True)
@@ -121,8 +126,9 @@ class Problem:
     seed: int
     statement: str  # the user message
     solution: str  # the worked solution, ending with the answer line
-    answer: str  # digits: ledger, the last two results and the latest milestone; tracing, the final registers
-    num_steps: int  # N: the first step line is numbered N, the last 1
+    answer: str  # digits: ledger, the last two results and the latest milestone; tracing, the final
+    # registers; retrieval, each question's result
+    num_steps: int  # N: the first step line is numbered N, the last 1 (retrieval: the fact lines, all chains)
 
 
 def get_spec(spec: AnySpec | str) -> AnySpec:
@@ -134,13 +140,16 @@ def get_spec(spec: AnySpec | str) -> AnySpec:
 
 
 def family(spec: AnySpec | str) -> str:
-    """Which task ``spec`` is a variant of: "ledger" or "tracing"."""
-    return "tracing" if isinstance(get_spec(spec), tracing.TracingSpec) else "ledger"
+    """Which task ``spec`` is a variant of: "ledger", "tracing" or "retrieval"."""
+    spec = get_spec(spec)
+    if isinstance(spec, tracing.TracingSpec):
+        return "tracing"
+    return "retrieval" if isinstance(spec, retrieval.RetrievalSpec) else "ledger"
 
 
 def tiny_variant(spec: AnySpec | str) -> str:
-    """The CI-sized variant of ``spec``'s task: "tiny" or "tracing-tiny"."""
-    return "tracing-tiny" if family(spec) == "tracing" else "tiny"
+    """The CI-sized variant of ``spec``'s task: "tiny", "tracing-tiny" or "retrieval-tiny"."""
+    return TINY_VARIANTS[family(spec)]
 
 
 def _draw_rules(rng: random.Random, names: str, milestone_share: float) -> list[str]:
@@ -159,14 +168,15 @@ def make_problem(seed: int, spec: AnySpec | str = "standard") -> Problem:
 
     Ledger: a draw whose chain comes back to a state it was in (same results, milestones
     and place in the step cycle) would repeat itself from there on, so it is drawn again;
-    so is one whose chain never reads a milestone. Tracing: ``tracing.draw`` says which
-    draws it rejects.
+    so is one whose chain never reads a milestone. Tracing and retrieval: ``tracing.draw``
+    and ``retrieval.draw`` say which draws they reject.
     """
     spec = get_spec(spec)
     rng = random.Random(seed)
     while True:
-        if isinstance(spec, tracing.TracingSpec):
-            fields = tracing.draw(rng, spec)
+        if isinstance(spec, (tracing.TracingSpec, retrieval.RetrievalSpec)):
+            module = tracing if isinstance(spec, tracing.TracingSpec) else retrieval
+            fields = module.draw(rng, spec)
             problem = None if fields is None else Problem(seed=seed, **fields)
         else:
             problem = _draw(rng, spec, seed)

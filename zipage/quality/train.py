@@ -2,10 +2,12 @@
 
     python -m zipage.quality.train --out checkpoints/ledger-14m --max-minutes 11.5
     python -m zipage.quality.train --task tracing --out checkpoints/tracing-14m --max-minutes 6.25
+    python -m zipage.quality.train --task retrieval --out checkpoints/retrieval-14m --max-minutes 9.2 --eval-reserve-s 60
     zipage train-synthetic --out DIR --tiny        # CPU smoke run, well under a minute
 
-``--task`` names a variant of ``tasks.SPECS``: the ledger ("standard", the default) or
-register tracing ("tracing"); ``--tiny`` trains on the CI-sized variant of the task given.
+``--task`` names a variant of ``tasks.SPECS``: the ledger ("standard", the default),
+register tracing ("tracing") or retrieval over many facts ("retrieval", long prompts:
+``zipage.quality.retrieval``); ``--tiny`` trains on the CI-sized variant of the task given.
 
 The model is ``transformers.Qwen3ForCausalLM`` (preset ``small``: 8 layers, hidden
 384, 6 query heads and 2 KV heads of 64, 13.8M parameters) over the character
@@ -410,7 +412,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="CPU smoke run (tiny model, the tiny variant of --task's task, ~20 s)")
     p.add_argument("--model-size", default=d.model_size, choices=sorted(MODEL_SIZES))
     p.add_argument("--task", default=d.task, choices=sorted(tasks.SPECS),
-                   help="task variant: the ledger (standard, short, tiny) or register tracing (tracing, ...)")
+                   help="task variant: the ledger (standard, short, tiny), register tracing (tracing, ...) "
+                        "or retrieval over many facts (retrieval, ...)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--max-minutes", type=float, default=d.max_minutes,
                    help="wall-clock budget of the whole command, evaluation included")
