@@ -15,9 +15,11 @@ file descriptors), and answering a client that half-closes its socket after its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import resource
+import socket
 import time
 from dataclasses import dataclass
 
@@ -65,6 +67,17 @@ def uvicorn_config(app, limits: ConnectionLimits | None = None, **options):
     return uvicorn.Config(app, http=Protocol, timeout_keep_alive=limits.keep_alive_timeout_s,
                           h11_max_incomplete_event_size=limits.max_header_bytes, backlog=limits.backlog,
                           **options)
+
+
+def _no_delay(transport) -> None:
+    """Send each write at once (TCP_NODELAY). asyncio sets it only on sockets created with an explicit
+    IPPROTO_TCP, which a listening socket bound the usual way is not, and then a response's body,
+    written after its headers, waited for the client's delayed acknowledgement of them: about 40 ms
+    added to every call that follows another on the same connection."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _fit_file_descriptors(max_connections: int) -> int:
@@ -144,6 +157,7 @@ class GuardedH11Protocol(H11Protocol):
             _answer_and_close(transport, BUSY)
             return
         super().connection_made(transport)
+        _no_delay(transport)
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
