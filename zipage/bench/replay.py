@@ -15,6 +15,9 @@ It answers in seconds on a CPU what a GPU run would take minutes for: how long a
 run will be (to size a device call), and how scheduling choices (hybrid scheduling,
 budget, block size) change the step count and batch sizes. It measures nothing on a GPU:
 its tokens/s are predictions that hold only as far as the step model does.
+
+With ``--replicas`` it runs the workload on N such engines behind the router of the
+data-parallel server (``zipage.bench.replicas``).
 """
 
 from __future__ import annotations
@@ -166,27 +169,53 @@ def _launch_like_a_device() -> float:
     return start
 
 
-def replay_mode(mode: str, args, settings: dict, model_dir: str, requests, cache_tokens: int,
-                step_model: dict) -> dict:
-    from zipage.bench.throughput import abort_unfinished, engine_kwargs, rank_spec
+def build_replay_engine(mode: str, args, settings: dict, model_dir: str, requests, cache_tokens: int,
+                        step_model: dict, runner_class=None):
+    """An engine of ``mode`` driving a simulated runner (``runner_class``, default ``SimulatedRunner``)
+    whose KV cache holds ``cache_tokens``; returns (engine, runner, the mode's options)."""
+    from zipage.bench.throughput import engine_kwargs, rank_spec
     from zipage.config import EngineConfig
     from zipage.engine.llm_engine import LLMEngine
-    from zipage.sampling_params import SamplingParams
 
     kwargs, opts = engine_kwargs(mode, args, settings, model_dir, requests, cache_tokens, torch.bfloat16)
     config = EngineConfig.from_kwargs(model_dir, **dict(kwargs, device="cpu", load_format="auto"))
     spec = rank_spec(model_dir, args.tensor_parallel_size)
-    runner = SimulatedRunner(config, spec, step_model)
-    engine = LLMEngine(config, runner=runner)
-    request_ids = [engine.add_request(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
-                                                               ignore_eos=True, seed=i))
-                   for i, r in enumerate(requests)]
+    runner = (runner_class or SimulatedRunner)(config, spec, step_model)
+    return LLMEngine(config, runner=runner), runner, opts
+
+
+def replay_params(index: int, request):
+    """The sampling parameters of a replay's ``index``-th request (EOS ignored, seeded by its index)."""
+    from zipage.sampling_params import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True, seed=index)
+
+
+def busy_seconds(runner: SimulatedRunner) -> float:
+    """The modelled seconds a runner's steps took (its clock)."""
+    return (runner.decode_ms + runner.prefill_ms + runner.compression_ms) / 1000
+
+
+def finish_replay(mode: str, engine, runner: SimulatedRunner) -> None:
+    """Check that every KV block came back, and charge a last compression no decode step overlapped."""
+    bm = engine.block_manager
+    if bm.num_free_blocks != bm.num_blocks:
+        raise RuntimeError(f"{mode}: {bm.num_blocks - bm.num_free_blocks} KV blocks were not returned")
+    runner.compression_ms += runner.pending_compression_ms
+    runner.pending_compression_ms = 0.0
+
+
+def replay_mode(mode: str, args, settings: dict, model_dir: str, requests, cache_tokens: int,
+                step_model: dict) -> dict:
+    from zipage.bench.throughput import abort_unfinished
+
+    engine, runner, opts = build_replay_engine(mode, args, settings, model_dir, requests, cache_tokens, step_model)
+    request_ids = [engine.add_request(r.prompt, replay_params(i, r)) for i, r in enumerate(requests)]
     steps = batch_sum = outputs = preempted = 0
     truncated_at = None
     while engine.has_unfinished_requests():
         finished, stats = engine.step()
         outputs += sum(len(o.outputs[0].token_ids) for o in finished)
-        clock = (runner.decode_ms + runner.prefill_ms + runner.compression_ms) / 1000
+        clock = busy_seconds(runner)
         if args.max_seconds is not None and truncated_at is None and clock >= args.max_seconds:
             truncated_at = clock
             outputs += abort_unfinished(engine, request_ids)
@@ -196,11 +225,8 @@ def replay_mode(mode: str, args, settings: dict, model_dir: str, requests, cache
         if not stats.is_prefill:
             steps += 1
             batch_sum += stats.num_seqs
-    bm = engine.block_manager
-    if bm.num_free_blocks != bm.num_blocks:
-        raise RuntimeError(f"{mode}: {bm.num_blocks - bm.num_free_blocks} KV blocks were not returned")
-    runner.compression_ms += runner.pending_compression_ms  # a last compression no decode step overlapped
-    seconds = (runner.decode_ms + runner.prefill_ms + runner.compression_ms) / 1000
+    finish_replay(mode, engine, runner)
+    seconds = busy_seconds(runner)
     return dict(mode=mode, options=opts, requests=len(requests), output_tokens=outputs, model_s=seconds,
                 truncated_at_s=truncated_at,
                 tokens_per_s=outputs / seconds, decode_steps=steps, mean_batch=batch_sum / max(steps, 1),
@@ -220,7 +246,20 @@ def add_replay_parser(sub) -> None:
                    help="a,b,c,p0,p1[,f,g] in ms (decode a + b*requests + c*cached/1000; prefill p0 + "
                         "p1*tokens; a compression batch f + g*tokens/1000, default 0: hidden); default: fitted on "
                         "an H200 with the Qwen3-8B shape")
-    p.add_argument("--out", default=None, help="directory for replay.json")
+    p.add_argument("--out", default=None, help="directory for replay.json (with --replicas: replicas.json and "
+                                                "replicas.png)")
+    g = p.add_argument_group("data-parallel replicas", "the workload served by N replicas (one GPU each, the same "
+                             "KV cache cap each) behind a router; per mode, count and policy: tokens/s, latency, "
+                             "time to first token, prefix cache hit rate, scaling efficiency against one")
+    g.add_argument("--replicas", default=None, help="comma-separated replica counts, e.g. 1,2,4,8,16")
+    g.add_argument("--routing", default="prefix,load",
+                   help="comma-separated routing policies of zipage.routing: prefix, load, round_robin")
+    g.add_argument("--arrival-rate", type=float, default=None,
+                   help="requests a second, arriving as a Poisson process (each prompt's samples together); "
+                        "default: all at t = 0")
+    g.add_argument("--weak-scaling", action="store_true",
+                   help="N replicas serve N times the workload (and N times --arrival-rate); default: the same "
+                        "workload for every N")
     p.set_defaults(func=run_replay_bench)
 
 
@@ -247,6 +286,11 @@ def run_replay_bench(args: argparse.Namespace) -> int:
         raise ValueError("bench replay has no GPU to size the cache from: give --kv-cache-tokens instead of "
                          "--whole-gpu")
     settings, model_dir, _, requests, cache_tokens, modes = prepare_workload(args)
+    if args.replicas is not None or args.arrival_rate is not None:
+        from zipage.bench.replicas import run_replicas_bench
+        if args.max_seconds is not None:
+            raise ValueError("--max-seconds does not apply to a replica replay, which runs every request")
+        return run_replicas_bench(args, settings, model_dir, requests, cache_tokens, modes, step_model)
     rows = [replay_mode(mode, args, settings, model_dir, requests, cache_tokens, step_model) for mode in modes]
     print()
     print_table(rows, ["mode", "tokens_per_s", "model_s", "decode_steps", "mean_batch", "prefill_s",
