@@ -9,7 +9,7 @@ TRITON_INTERPRET when the kernels are decorated, i.e. at import time.
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")  # TRITON_INTERPRET=0: the compiled kernels (a GPU run of the cuda tests)
 
 import math  # noqa: E402
 

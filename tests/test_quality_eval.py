@@ -104,6 +104,34 @@ def test_synthetic_eval_end_to_end(tiny_synthetic_model, tmp_path, one_thread):
         assert json.load(f)["settings"]["num_problems"] == 3
 
 
+def test_token_agreement():
+    assert qeval.token_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == (1.0, 1.0)
+    assert qeval.token_agreement([1, 9, 3, 4], [1, 2, 3, 4]) == (0.25, 0.75)  # re-converges after a flip
+    assert qeval.token_agreement([1, 2], [1, 2, 3, 4]) == (0.5, 0.5)  # positions past the shorter end disagree
+    assert qeval.token_agreement([1, 2, 3, 4], [1, 2]) == (1.0, 0.5)
+    assert qeval.token_agreement([], []) == (1.0, 1.0)
+    assert qeval.agreement([[1, 2], [5]], [[1, 3], [5]]) == dict(agreement_prefix=0.75, token_agreement=0.75)
+
+
+def test_synthetic_eval_fp8_weights_scores_agreement(tiny_synthetic_model, tmp_path, one_thread):
+    """FP8 runs carry their agreement with the unquantized run of the same configuration, run here
+    or read from a saved reference (full KV only, to stay cheap: the budgets' runs go the same way)."""
+    task = tasks.TaskSpec(min_steps=2, max_steps=3, milestone_every=2, num_values=3)
+    options = dict(num_problems=2, budgets=[], policies=["zipage"], task=task, device="cpu", block_size=16,
+                   window=8, log=lambda *_: None)
+    record = qeval.run_synthetic(tiny_synthetic_model, quantization="fp8", keep_tokens=True, **options)
+    assert record["settings"]["quantization"] == "fp8" and list(record["tokens"]) == ["full"]
+    (full,) = record["runs"]
+    assert 0.0 <= full["agreement_prefix"] <= 1.0 and 0.0 <= full["token_agreement"] <= 1.0
+    assert "Agreement: greedy-token agreement" in qeval.table(record) and qeval._cell(full).count(" / ") == 2
+    assert qeval.run_key("zipage", 80) == "zipage@80" and qeval.run_key("full", None) == "full"
+    again = qeval.run_synthetic(tiny_synthetic_model, quantization="fp8", reference=record["tokens"], **options)
+    assert again["runs"][0]["token_agreement"] == again["runs"][0]["agreement_prefix"] == 1.0  # deterministic
+    qeval.write(record, str(tmp_path), plot_too=False)
+    with open(tmp_path / "tokens.json") as f:
+        assert json.load(f) == record["tokens"]
+
+
 def test_eval_command_rejects_unknown_policies(tiny_synthetic_model, capsys):
     from zipage.cli import main
     assert main(["eval", "synthetic", "--model", tiny_synthetic_model, "--policies", "zipage,h2o"]) == 2

@@ -35,6 +35,7 @@ MODELS = {
     "qwen3": dict(arch="qwen3"),
     "qwen3-replicated-kv": dict(arch="qwen3", num_key_value_heads=1, tie_word_embeddings=True),
     "qwen2-bias": dict(arch="qwen2"),
+    "qwen3-moe": dict(arch="qwen3_moe"),  # each rank: its slice of every expert's intermediate size
 }
 LAYER_CHECKS = ("qkv", "qkv-replicated", "gate_up", "row", "row-bias", "embedding", "lm_head", "lm_head-odd-vocab")
 

@@ -29,6 +29,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="JSON schemas of structured output allow no whitespace but one space after ',' and ':' "
                         "(a model then cannot spend its tokens on whitespace)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="fp8: store keys and values as float8 e4m3 with a scale per token and KV head")
+    g.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize the linear layers' weights to float8 e4m3 at load (a published FP8 "
+                        "checkpoint is detected without this)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model's heads and weights over this many GPUs (processes)")
     add_trust_remote_code_arg(g)
@@ -61,6 +66,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format,
                 tensor_parallel_size=args.tensor_parallel_size, logprobs_mode=args.logprobs_mode,
                 structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
+                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                 trust_remote_code=getattr(args, "trust_remote_code", False))
 
 

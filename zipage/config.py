@@ -37,6 +37,10 @@ def _check_cuda_device(device: str) -> None:
            f"device={device!r}: the GPU index must be an integer in [0, {count - 1}] ({count} visible)")
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATIONS = (None, "fp8")
+
+
 @dataclass
 class CacheConfig:
     """Where KV lives: block size and how much memory the cache may take."""
@@ -45,8 +49,15 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # explicit budget; the default on CPU is 1 GiB
     enable_prefix_caching: bool = True
+    # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): keys and values stored as float8 e4m3 with
+    # a float32 scale per token and KV head (docs/fp8.md), half the bytes of bf16 per kept token
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8_e4m3":
+            self.kv_cache_dtype = "fp8"
         _check(_is_int(self.block_size) and 1 <= self.block_size <= 4096
                and self.block_size & (self.block_size - 1) == 0,
                f"block_size must be a power of two in [1, 4096], got {self.block_size!r}")
@@ -231,6 +242,10 @@ class EngineConfig:
     # True: none beyond a single space after separators, as vLLM's disable_any_whitespace (a
     # model that writes whitespace forever under a JSON grammar then cannot)
     structured_outputs_disable_any_whitespace: bool = False
+    # None: the checkpoint's weights as they are (a published FP8 checkpoint is detected from
+    # its quantization_config); "fp8": quantize a bf16/fp16 checkpoint's linear layers to float8
+    # e4m3 at load, one scale per output channel (docs/fp8.md)
+    quantization: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compression: CompressionConfig | None = None  # None: full KV
@@ -254,6 +269,8 @@ class EngineConfig:
         _check(isinstance(self.structured_outputs_disable_any_whitespace, bool),
                "structured_outputs_disable_any_whitespace must be True or False, got "
                f"{self.structured_outputs_disable_any_whitespace!r}")
+        _check(self.quantization in QUANTIZATIONS,
+               f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         _check(self.attention_backend in ("auto", "torch", "triton"),
                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         tp = self.tensor_parallel_size

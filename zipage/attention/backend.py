@@ -18,15 +18,19 @@ class AttentionBackend:
     name = "base"
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None,
-                 query_slots=None) -> None:
+                 query_slots=None, *, k_scale=None, v_scale=None) -> None:
         """Keys and values into their cache slots; with compression also the queries into
-        their observation-window rows."""
+        their observation-window rows. A float8 cache (``kv_cache_dtype="fp8"``) comes with
+        its float32 scales k_scale / v_scale [num_blocks, block_size, kv_heads], also passed
+        to ``prefill`` and ``decode``; they are None otherwise."""
         raise NotImplementedError
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, *, k_scale=None,
+                v_scale=None) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *, k_scale=None,
+               v_scale=None) -> torch.Tensor:
         raise NotImplementedError
 
 

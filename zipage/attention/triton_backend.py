@@ -50,16 +50,21 @@ class TritonBackend(AttentionBackend):
         available = varlen_attn is not None
         self.use_flash_prefill = available if use_flash_prefill is None else use_flash_prefill and available
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None):
-        store_kv(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots)
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None,
+                 *, k_scale=None, v_scale=None):
+        store_kv(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots,
+                 k_scale=k_scale, v_scale=v_scale)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None):
+        # Without a cached prefix, flash attention reads the step's keys and values as computed
+        # (also with a float8 cache: later steps read them quantized).
         flash_ok = (self.use_flash_prefill and not meta.has_cached_prefix and q.dtype != torch.float32
                     and ("scale" in _VARLEN_PARAMS or abs(scale - q.shape[-1] ** -0.5) < 1e-12))
         if flash_ok:
             return _flash_prefill(q, k, v, meta, scale)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                       meta.context_lens, meta.max_seqlen_q, scale)
+                                       meta.context_lens, meta.max_seqlen_q, scale, k_scale=k_scale, v_scale=v_scale)
 
-    def decode(self, q, k_cache, v_cache, meta, scale):
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    def decode(self, q, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None):
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                      k_scale=k_scale, v_scale=v_scale)

@@ -56,16 +56,27 @@ def add_decode_parser(sub) -> None:
                         "(see the module's help: zipage/bench/decode.py)")
     p.add_argument("--kv-budget-tokens", type=int, default=None,
                    help="run with compression at this budget (the 'budgets' variant needs it)")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 weights, quantized at load")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: float8 e4m3 keys and values with a scale per token and KV head")
     p.add_argument("--out", default=None, help="write JSON results here")
     p.set_defaults(func=run_decode_bench)
 
 
-def _weight_bytes(model) -> int:
-    """Bytes of weights one decode step reads (the embedding table only by rows)."""
+def _weight_bytes(model, batch: int) -> int:
+    """Bytes of weights a decode step of ``batch`` tokens reads: the embedding table only by rows;
+    of a mixture-of-experts layer, the experts its tokens choose, as many as ``batch`` uniform
+    choices of ``top_k`` touch on average: E * (1 - (1 - k / E) ** batch)."""
+    from zipage.layers.moe import SparseMoE
+
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.model.embed_tokens.weight
     if embed is not model.lm_head.weight:
         total -= embed.numel() * embed.element_size()
+    for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
+        experts = sum(p.numel() * p.element_size() for p in (moe.w13, moe.w2))
+        touched = 1 - (1 - moe.top_k / moe.num_experts) ** batch
+        total -= int(experts * (1 - touched))
     return total
 
 
@@ -86,7 +97,8 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     for mode in args.modes.split(","):
         llm = LLM(model_dir, load_format=load_format, device=args.device, block_size=args.block_size,
                   max_num_seqs=max(batches), max_model_len=args.context + args.steps + args.profile_steps + 8,
-                  enforce_eager=(mode == "eager"), enable_prefix_caching=False, compression=compression)
+                  enforce_eager=(mode == "eager"), enable_prefix_caching=False, compression=compression,
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
         runner = llm.engine.runner
         rng = random.Random(0)
         for batch in batches:
@@ -114,6 +126,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     print_table(rows, [c for c in rows[0] if c != "profile"])
     write_json(args.out, dict(benchmark="decode", model=args.model or args.shape, rows=rows,
                               block_size=args.block_size, steps=args.steps, kv_budget_tokens=args.kv_budget_tokens,
+                              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                               json_schema=JSON_SCHEMA if "json" in variants else None))
     return 0
 
@@ -177,8 +190,10 @@ def _run_batch(llm, args: argparse.Namespace, prompts: list[list[int]], make_par
     mean = sum(decode_times[2:]) / len(decode_times[2:])
     host = sorted(host_times[2:])[len(host_times[2:]) // 2]
     spec = runner.spec
-    kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * runner.dtype.itemsize
-    bytes_per_step = _weight_bytes(runner.model) + batch * (args.context + args.steps / 2) * kv_bytes_per_token
+    kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * runner.kv_cache.element_size()
+    if runner.kv_cache.element_size() == 1:  # float8: and a float32 scale per token and KV head
+        kv_bytes_per_token += 2 * spec.num_layers * spec.num_kv_heads * 4
+    bytes_per_step = _weight_bytes(runner.model, batch) + batch * (args.context + args.steps / 2) * kv_bytes_per_token
     floor = bytes_per_step / COPY_BANDWIDTH_BYTES_PER_S
     row = dict(step_ms=1000 * step, host_ms=1000 * host, tokens_per_s=batch / step, mean_tokens_per_s=batch / mean,
                timed_steps=len(decode_times) - 2,

@@ -25,6 +25,8 @@ def add_kernel_parser(sub) -> None:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: the paged caches as float8 e4m3 with a scale per token and KV head")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run_kernel_bench)
 
@@ -142,6 +144,16 @@ def _elementwise_rows(heads: int, kv_heads: int, head_dim: int, device=torch.dev
     return rows
 
 
+def _as_fp8(k, v, enabled: bool):
+    """(k, v, {k_scale, v_scale}) as float8 with their scales when ``enabled``, else unchanged."""
+    if not enabled:
+        return k, v, {}
+    from zipage.kernels.common import quantize_fp8_torch
+    k8, k_scale = quantize_fp8_torch(k)
+    v8, v_scale = quantize_fp8_torch(v)
+    return k8, v8, dict(k_scale=k_scale, v_scale=v_scale)
+
+
 def run_kernel_bench(args: argparse.Namespace) -> int:
     from zipage.kernels.paged_decode import paged_decode_attention, paged_decode_attention_torch
     from zipage.kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_torch
@@ -150,18 +162,21 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("zipage bench kernels needs a CUDA GPU")
     device, dtype = torch.device("cuda"), torch.bfloat16
+    fp8 = getattr(args, "kv_cache_dtype", "auto") == "fp8"
     h, kvh, d = args.heads, args.kv_heads, args.head_dim
+    kv_row_bytes = d + 4 if fp8 else d * dtype.itemsize  # one token's K (or V) row of one KV head
     scale = d ** -0.5
     rows = []
     for block_size in [int(x) for x in args.block_size.split(",")]:
         for context in [int(x) for x in args.context.split(",")]:
             for batch in [int(x) for x in args.batch.split(",")]:
                 k, v, tables, lens = _paged_problem(batch, context, block_size, h, kvh, d, dtype, device)
+                k, v, sc = _as_fp8(k, v, fp8)
                 q = torch.randn(batch, h, d, device=device, dtype=dtype)
-                out = paged_decode_attention(q, k, v, tables, lens, scale)
-                ref = paged_decode_attention_torch(q, k, v, tables, lens, scale)
-                ms = _time_ms(lambda: paged_decode_attention(q, k, v, tables, lens, scale))
-                moved = 2 * batch * context * kvh * d * dtype.itemsize + 2 * q.numel() * dtype.itemsize
+                out = paged_decode_attention(q, k, v, tables, lens, scale, **sc)
+                ref = paged_decode_attention_torch(q, k, v, tables, lens, scale, **sc)
+                ms = _time_ms(lambda: paged_decode_attention(q, k, v, tables, lens, scale, **sc))
+                moved = 2 * batch * context * kvh * kv_row_bytes + 2 * q.numel() * dtype.itemsize
                 rows.append(dict(kernel="paged_decode", block_size=block_size, batch=batch, context=context,
                                  rel_err=_rel_err(out, ref), us=1000 * ms, tb_per_s=moved / ms / 1e9,
                                  of_copy_ceiling=moved / (ms / 1e3) / COPY_BANDWIDTH_BYTES_PER_S))
@@ -171,11 +186,12 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
     for block_size in [int(x) for x in args.block_size.split(",")]:
         batch, context, new = 8, 2048, 1024
         k, v, tables, lens = _paged_problem(batch, context, block_size, h, kvh, d, dtype, device)
+        k, v, sc = _as_fp8(k, v, fp8)
         cu = torch.arange(0, (batch + 1) * new, new, dtype=torch.int32, device=device)
         q = torch.randn(batch * new, h, d, device=device, dtype=dtype)
-        out = paged_prefill_attention(q, k, v, tables, cu, lens, new, scale)
-        ref = paged_prefill_attention_torch(q, k, v, tables, cu, lens, new, scale)
-        ms = _time_ms(lambda: paged_prefill_attention(q, k, v, tables, cu, lens, new, scale), iters=20)
+        out = paged_prefill_attention(q, k, v, tables, cu, lens, new, scale, **sc)
+        ref = paged_prefill_attention_torch(q, k, v, tables, cu, lens, new, scale, **sc)
+        ms = _time_ms(lambda: paged_prefill_attention(q, k, v, tables, cu, lens, new, scale, **sc), iters=20)
         # causal FLOPs: each query sees (context - new + its index) keys; 4 FLOPs per q-k-d (QK and PV)
         keys_seen = batch * (new * (context - new) + new * (new + 1) / 2)
         flops = 4 * keys_seen * h * d
@@ -185,17 +201,21 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
         tokens = batch * new
         key, value = (torch.randn(tokens, kvh, d, device=device, dtype=dtype) for _ in range(2))
         slots = torch.randperm(k.shape[0] * block_size, device=device)[:tokens]
-        ms = _time_ms(lambda: store_kv(key, value, k, v, slots))
-        moved = 4 * key.numel() * dtype.itemsize
+        ms = _time_ms(lambda: store_kv(key, value, k, v, slots, **sc))
+        moved = 2 * key.numel() * dtype.itemsize + 2 * tokens * kvh * kv_row_bytes
         rows.append(dict(kernel="store_kv", block_size=block_size, batch=tokens, us=1000 * ms,
                          tb_per_s=moved / ms / 1e9))
         print_table(rows[-1:], list(rows[-1]))
-        rows += _decode_store_rows(k, v, h, block_size)
+        if not fp8:  # (its rows are bf16 caches)
+            rows += _decode_store_rows(k, v, h, block_size)
     rows += _elementwise_rows(h, kvh, d)
-    write_json(args.out, dict(benchmark="kernels", rows=rows, heads=h, kv_heads=kvh, head_dim=d))
+    write_json(args.out, dict(benchmark="kernels", rows=rows, heads=h, kv_heads=kvh, head_dim=d,
+                              kv_cache_dtype="fp8" if fp8 else "auto"))
     print()
     for kind in ("paged_decode", "paged_prefill", "store_kv", "store_kv_decode", "store_kv+query", "add_rms_norm",
                  "qk_norm_rope"):
         subset = [r for r in rows if r["kernel"] == kind]
+        if not subset:
+            continue
         print_table(subset, list(subset[0]))
     return 0

@@ -74,6 +74,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: the same cache bytes hold about twice the tokens")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 weights, quantized at load")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs per model; the KV cache cap stays the same number of tokens")
     p.add_argument("--temperature", type=float, default=0.6)
@@ -191,7 +194,9 @@ def engine_kwargs(mode: str, args, settings: dict, model_dir: str, requests, cac
                   max_num_seqs=args.max_num_seqs, max_model_len=longest + 1, compression=compression,
                   enable_prefix_caching=opts["prefix_caching"], enforce_eager=opts["enforce_eager"],
                   async_scheduling=opts["async_scheduling"], seed=args.seed,
-                  tensor_parallel_size=args.tensor_parallel_size, trust_remote_code=_trust(args))
+                  tensor_parallel_size=args.tensor_parallel_size, trust_remote_code=_trust(args),
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                  quantization=getattr(args, "quantization", None))
     if not args.whole_gpu:
         spec = rank_spec(model_dir, args.tensor_parallel_size, _trust(args))
         kwargs["kv_cache_memory_bytes"] = cache_tokens * kv_bytes_per_token(spec, dtype)

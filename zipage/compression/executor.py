@@ -60,11 +60,14 @@ def compacts_in_place(tasks: list[CompressionTask]) -> bool:
 
 class Compressor:
     def __init__(self, config: CompressionConfig, kv_cache: torch.Tensor, score_cache: torch.Tensor | None,
-                 query_cache: torch.Tensor, scale: float, block_size: int):
+                 query_cache: torch.Tensor, scale: float, block_size: int, kv_scales: torch.Tensor | None = None):
         self.config = config
         self.kv_cache = kv_cache  # [2, layers, blocks, block_size, kv_heads, head_dim]
         self.score_cache = score_cache  # [layers, blocks, block_size, kv_heads] float32, or None
         self.query_cache = query_cache  # [layers, slots * window + 1, heads, head_dim]
+        # float8 cache: its scales [2, layers, blocks, block_size, kv_heads] float32, read with the
+        # keys and moved with the tokens; None otherwise
+        self.kv_scales = kv_scales
         self.scale = scale
         self.block_size = block_size
         self.num_layers = kv_cache.shape[1]
@@ -166,6 +169,9 @@ class Compressor:
         for first in range(0, self.num_layers, cfg.layer_group):
             layers = slice(first, min(first + cfg.layer_group, self.num_layers))
             kv_group = self.kv_cache[:, layers]
+            scale_group = self.kv_scales[:, layers] if self.kv_scales is not None else None
+            fp8 = {} if scale_group is None else {"scale_group": scale_group}  # compaction
+            key_scale = {} if scale_group is None else {"k_scale": scale_group[0]}  # scoring
             if cfg.policy in ("recency", "random"):  # baselines scored without attention
                 shape = (lengths, kv_group.shape[1], kv_group.shape[4], n_max)
                 scores = (policy.position_scores(*shape) if cfg.policy == "recency"
@@ -173,17 +179,17 @@ class Compressor:
                 kept = policy.choose_by_scores(scores, lengths, cfg, keep, b.sinks)
                 self._mark("history and top-k")
                 self._compact(kv_group, None, kept, None, sources, targets, single_pass=b.single_pass,
-                              active=b.active)
+                              active=b.active, **fp8)
                 self._mark("compaction")
                 continue
             queries = self.query_cache[layers][:, rows].transpose(0, 1).contiguous()  # [R, L, w, Hq, d]
-            attention = self._attention(queries, kv_group[0], sources, lengths, self.scale, n_max)
+            attention = self._attention(queries, kv_group[0], sources, lengths, self.scale, n_max, **key_scale)
             self._mark("attention")
             rsum = None
             if cfg.redundancy == "lightning":
-                rsum = self._redundancy(kv_group[0], sources, lengths, cfg.similarity_threshold, n_max)
+                rsum = self._redundancy(kv_group[0], sources, lengths, cfg.similarity_threshold, n_max, **key_scale)
             elif cfg.redundancy == "raw":  # all pairs, divided by the length: PyTorch only
-                keys = self._gather_keys(kv_group[0], sources, lengths, n_max)
+                keys = self._gather_keys(kv_group[0], sources, lengths, n_max, **key_scale)
                 rsum = policy.redundancy_sums(keys, lengths, cfg.similarity_threshold)
             self._mark("redundancy")
             score_group = self.score_cache[layers] if self.score_cache is not None else None
@@ -194,5 +200,5 @@ class Compressor:
                 divide_by_length=cfg.redundancy == "raw")
             self._mark("history and top-k")
             self._compact(kv_group, score_group, kept, new_scores, sources, targets, single_pass=b.single_pass,
-                          active=b.active)
+                          active=b.active, **fp8)
             self._mark("compaction")

@@ -23,9 +23,16 @@ token may be overwritten before it is read. Two ways to make that hazard-free:
   the caches, so the scratch is bounded by running the two phases for a few
   (layer, head) pairs at a time, each time for all requests (one request's target
   block may be another request's released source block). Twice the traffic.
+
+A float8 KV cache moves as bytes, and its scales (scale_group [2, L, num_blocks, b,
+H] float32, one per token and KV head) move with them: the same launch on the scales
+seen as rows of one element (their planes are apart from the keys', so the hazard
+argument holds for each).
 """
 
 import torch
+
+from zipage.kernels.common import is_fp8
 
 try:
     import triton
@@ -307,9 +314,13 @@ if triton is not None:
                 tl.store(score_ptr + score_dst, scores, mask=token_mask)
 
 
-def _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables):
+def _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables, scale_group=None):
     assert kv_group.dim() == 6 and kv_group.shape[0] == 2, "kv_group: [2, L, num_blocks, b, H, d]"
     _, num_layers, num_blocks, block_size, num_kv_heads, _ = kv_group.shape
+    assert (scale_group is None) == (not is_fp8(kv_group.dtype)), "a float8 cache goes with its scales, and only it"
+    if scale_group is not None:
+        assert scale_group.shape == kv_group.shape[:5] and scale_group.dtype == torch.float32
+        assert scale_group.stride(4) == 1
     assert kept.dim() == 4 and kept.shape[1:3] == (num_layers, num_kv_heads)
     num_requests, _, _, keep = kept.shape
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_requests
@@ -323,7 +334,7 @@ def _check_args(kv_group, score_group, kept, new_scores, block_tables, target_ta
 
 
 def compact_kv(kv_group, score_group, kept, new_scores, block_tables, target_tables, *, single_pass=False,
-               active=None):
+               active=None, scale_group=None):
     """Move the kept tokens of every (request, layer, KV head) to their target slots.
 
     kv_group: [2, L, num_blocks, b, H, d] (K and V planes of a layer group, any
@@ -341,9 +352,14 @@ def compact_kv(kv_group, score_group, kept, new_scores, block_tables, target_tab
     own source block at the same index or a block no request of the batch reads
     (see the module docstring); half the memory traffic. active: [R] flags (any
     integer or bool dtype, any stride), requests with 0 are skipped (the padding
-    rows of a captured batch), or None for all.
+    rows of a captured batch), or None for all. scale_group: [2, L, num_blocks, b, H]
+    float32 scales of a float8 kv_group (required with one, moved with its tokens).
     """
-    _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables)
+    _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables, scale_group)
+    if scale_group is not None:
+        compact_kv(scale_group[..., None], None, kept, None, block_tables, target_tables, single_pass=single_pass,
+                   active=active)
+        kv_group = kv_group.view(torch.uint8)  # moved as bytes
     _, num_layers, _, block_size, num_kv_heads, head_dim = kv_group.shape
     num_requests, _, _, keep = kept.shape
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
@@ -410,9 +426,12 @@ def compact_kv(kv_group, score_group, kept, new_scores, block_tables, target_tab
 
 
 def compact_kv_torch(kv_group, score_group, kept, new_scores, block_tables, target_tables, *, single_pass=False,
-                     active=None):
+                     active=None, scale_group=None):
     """PyTorch twin of compact_kv (same arguments and semantics), always gather-then-write."""
-    _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables)
+    _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables, scale_group)
+    if scale_group is not None:
+        compact_kv_torch(scale_group[..., None], None, kept, None, block_tables, target_tables, active=active)
+        kv_group = kv_group.view(torch.uint8)  # moved as bytes
     if active is not None:
         rows = active.to(device=kept.device, dtype=torch.bool).nonzero().flatten()
         kept, block_tables, target_tables = kept[rows], block_tables[rows], target_tables[rows]

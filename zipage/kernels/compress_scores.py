@@ -16,13 +16,17 @@ tokens (token j lives in block block_tables[r, j // b] at offset j % b):
 
 Each has a PyTorch twin that gathers the keys into a dense tensor (gather_keys) and
 calls the pure functions of zipage.compression.policy.
+
+With a float8 KV cache the keys come with their float32 scales k_scale [L, num_blocks,
+b, H] (one per token and KV head): logits are multiplied by the key's scale, and the
+redundancy's cosine similarities use the dequantized norms.
 """
 
 import functools
 
 import torch
 
-from zipage.kernels.common import dot_precision
+from zipage.kernels.common import dot_precision, is_fp8
 
 try:
     import triton
@@ -127,6 +131,25 @@ if triton is not None:
         k = tl.load(k_ptr + offsets[:, None] + dims[None, :], mask=in_context[:, None], other=0.0)
         return k, positions, in_context
 
+    @triton.jit
+    def _load_key_scales(
+        k_scale_ptr,
+        block_table_row,
+        key_begin,
+        length,
+        scale_head_offset,
+        s_stride_block,
+        s_stride_slot,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """Scales of the keys of _load_key_tile's tile (float8 cache; 0 past length)."""
+        positions = key_begin + tl.arange(0, BLOCK_N)
+        in_context = positions < length
+        pages = tl.load(block_table_row + positions // PAGE_SIZE, mask=in_context, other=0)
+        offsets = pages.to(tl.int64) * s_stride_block + (positions % PAGE_SIZE) * s_stride_slot + scale_head_offset
+        return tl.load(k_scale_ptr + offsets, mask=in_context, other=0.0)
+
     @triton.jit(do_not_specialize=["num_splits", "block_table_stride", "lengths_stride", "q_stride_req"])
     def _window_lse_kernel(
         q_ptr,
@@ -150,6 +173,10 @@ if triton is not None:
         k_stride_slot,
         k_stride_head,
         block_table_stride,
+        k_scale_ptr,
+        s_stride_layer,
+        s_stride_block,
+        s_stride_slot,
         GROUP_SIZE: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         WINDOW_CHUNK: tl.constexpr,
@@ -158,6 +185,7 @@ if triton is not None:
         PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         """Pass 1, one program per (split x chunk, layer x head, request): running
         maximum and sum (log2 domain) of every row's softmax over a share of the keys."""
@@ -186,6 +214,7 @@ if triton is not None:
 
         block_table_row = block_tables_ptr + req.to(tl.int64) * block_table_stride
         head_offset = layer.to(tl.int64) * k_stride_layer + kv_head * k_stride_head
+        scale_head_offset = layer.to(tl.int64) * s_stride_layer + kv_head
         row_max = tl.full([ROWS], _NO_MAX, tl.float32)
         row_sum = tl.zeros([ROWS], tl.float32)
         for tile in range(tile_begin, tile_end):
@@ -193,7 +222,15 @@ if triton is not None:
                 k_ptr, block_table_row, tile * BLOCK_N, length, head_offset,
                 k_stride_block, k_stride_slot, HEAD_DIM, PAGE_SIZE, BLOCK_N,
             )  # fmt: skip
-            logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            if FP8:  # float8 -> q's dtype is exact; the key's scale multiplies its logit
+                k_scale = _load_key_scales(
+                    k_scale_ptr, block_table_row, tile * BLOCK_N, length, scale_head_offset,
+                    s_stride_block, s_stride_slot, PAGE_SIZE, BLOCK_N,
+                )  # fmt: skip
+                logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+                logits = logits * (k_scale * scale_log2)[None, :]
+            else:
+                logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             visible = (positions[None, :] <= last_visible[:, None]) & in_context[None, :]
             logits = tl.where(visible, logits, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(logits, 1))
@@ -231,6 +268,10 @@ if triton is not None:
         k_stride_slot,
         k_stride_head,
         block_table_stride,
+        k_scale_ptr,
+        s_stride_layer,
+        s_stride_block,
+        s_stride_slot,
         GROUP_SIZE: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         WINDOW_CHUNK: tl.constexpr,
@@ -239,6 +280,7 @@ if triton is not None:
         PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         """Pass 2, one program per (key tile, layer x head, request): A for BLOCK_N tokens."""
         tile = tl.program_id(0)
@@ -257,10 +299,16 @@ if triton is not None:
 
         block_table_row = block_tables_ptr + req.to(tl.int64) * block_table_stride
         head_offset = layer.to(tl.int64) * k_stride_layer + kv_head * k_stride_head
+        scale_head_offset = layer.to(tl.int64) * s_stride_layer + kv_head
         k, positions, in_context = _load_key_tile(
             k_ptr, block_table_row, key_begin, length, head_offset,
             k_stride_block, k_stride_slot, HEAD_DIM, PAGE_SIZE, BLOCK_N,
         )  # fmt: skip
+        if FP8:  # float8 -> q's dtype is exact; the key's scale multiplies its logit
+            k_scale_log2 = scale_log2 * _load_key_scales(
+                k_scale_ptr, block_table_row, key_begin, length, scale_head_offset,
+                s_stride_block, s_stride_slot, PAGE_SIZE, BLOCK_N,
+            )  # fmt: skip
 
         rows = tl.arange(0, ROWS)
         total = tl.zeros([BLOCK_N], tl.float32)
@@ -283,7 +331,10 @@ if triton is not None:
             # Every real row sees key 0, so row_sum >= 1 there; the guard is for padding rows.
             lse = row_max + tl.log2(tl.maximum(row_sum, 1e-30))
 
-            logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            if FP8:
+                logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * k_scale_log2[None, :]
+            else:
+                logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             last_visible = length - window + window_row
             visible = (positions[None, :] <= last_visible[:, None]) & in_context[None, :] & row_valid[:, None]
             probs = tl.where(visible, tl.exp2(logits - lse[:, None]), 0.0)
@@ -308,11 +359,16 @@ if triton is not None:
         k_stride_slot,
         k_stride_head,
         block_table_stride,
+        k_scale_ptr,
+        s_stride_layer,
+        s_stride_block,
+        s_stride_slot,
         PAGE_SIZE: tl.constexpr,
         BLOCK_B: tl.constexpr,
         BLOCK_ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         """One program per (cache block, layer x head, request): rsum of the block's tokens.
 
@@ -345,7 +401,17 @@ if triton is not None:
         col_valid = cols < num_valid
         k_cols = tl.load(base + cols[:, None] * k_stride_slot + dims[None, :], mask=col_valid[:, None], other=0.0)
         k_cols_f32 = k_cols.to(tl.float32)
-        col_scale = 1.0 / tl.maximum(tl.sqrt(tl.sum(k_cols_f32 * k_cols_f32, 1)), _NORM_FLOOR)
+        if FP8:
+            # Dot products of the float8 values (exact in float16), times both keys' scales
+            # over their dequantized norms: the cosine similarity of the dequantized keys.
+            scale_base = (k_scale_ptr + layer.to(tl.int64) * s_stride_layer + page.to(tl.int64) * s_stride_block
+                          + kv_head)
+            col_key_scale = tl.load(scale_base + cols * s_stride_slot, mask=col_valid, other=0.0)
+            col_norm = tl.sqrt(tl.sum(k_cols_f32 * k_cols_f32, 1)) * col_key_scale
+            col_scale = col_key_scale / tl.maximum(col_norm, _NORM_FLOOR)
+            k_cols = k_cols.to(tl.float16)
+        else:
+            col_scale = 1.0 / tl.maximum(tl.sqrt(tl.sum(k_cols_f32 * k_cols_f32, 1)), _NORM_FLOOR)
 
         col_sums = tl.zeros([BLOCK_B], tl.float32)
         for row_begin in range(0, num_valid, BLOCK_ROWS):
@@ -353,7 +419,13 @@ if triton is not None:
             row_valid = rows < num_valid
             k_rows = tl.load(base + rows[:, None] * k_stride_slot + dims[None, :], mask=row_valid[:, None], other=0.0)
             k_rows_f32 = k_rows.to(tl.float32)
-            row_scale = 1.0 / tl.maximum(tl.sqrt(tl.sum(k_rows_f32 * k_rows_f32, 1)), _NORM_FLOOR)
+            if FP8:
+                row_key_scale = tl.load(scale_base + rows * s_stride_slot, mask=row_valid, other=0.0)
+                row_norm = tl.sqrt(tl.sum(k_rows_f32 * k_rows_f32, 1)) * row_key_scale
+                row_scale = row_key_scale / tl.maximum(row_norm, _NORM_FLOOR)
+                k_rows = k_rows.to(tl.float16)
+            else:
+                row_scale = 1.0 / tl.maximum(tl.sqrt(tl.sum(k_rows_f32 * k_rows_f32, 1)), _NORM_FLOOR)
             # Raw dot products (exact products for 16-bit keys, float32 sums), then
             # divided by the norms: more accurate than a dot of rounded unit vectors.
             sim = tl.dot(k_rows, tl.trans(k_cols), input_precision=DOT_PRECISION)
@@ -377,20 +449,31 @@ def _next_power_of_2(x: int) -> int:
     return 1 << max(int(x) - 1, 0).bit_length()
 
 
-def _check_paged(k_cache, block_tables, lengths):
+def _check_paged(k_cache, block_tables, lengths, k_scale=None):
     assert k_cache.dim() == 5, "k_cache: [layers, blocks, block_size, kv_heads, head_dim]"
     assert block_tables.dim() == 2 and lengths.dim() == 1 and block_tables.shape[0] == lengths.shape[0]
+    assert (k_scale is None) == (not is_fp8(k_cache.dtype)), "a float8 cache goes with its k_scale, and only it"
+    if k_scale is not None:
+        assert k_scale.shape == k_cache.shape[:4] and k_scale.dtype == torch.float32 and k_scale.stride(3) == 1
 
 
-def gather_keys(k_cache, block_tables, lengths, n_max):
+def _scale_args(k_scale, placeholder):
+    """Kernel arguments of the key scales: pointer and layer, block, slot strides."""
+    if k_scale is None:
+        return placeholder, 0, 0, 0
+    return k_scale, k_scale.stride(0), k_scale.stride(1), k_scale.stride(2)
+
+
+def gather_keys(k_cache, block_tables, lengths, n_max, *, k_scale=None, dtype=torch.float32):
     """Dense copy [R, L, H, n_max, d] of each request's first lengths[r] cached tokens.
 
     k_cache: [L, num_blocks, b, H, d] (any strides, e.g. a layer-group view); token j
     of request r is read from block block_tables[r, j // b], offset j % b. Positions
     j >= lengths[r] are 0 (never read: their block-table entries may be garbage).
-    Keeps k_cache's dtype.
+    Keeps k_cache's dtype; a float8 cache is dequantized with its scales k_scale [L,
+    num_blocks, b, H] into ``dtype``.
     """
-    _check_paged(k_cache, block_tables, lengths)
+    _check_paged(k_cache, block_tables, lengths, k_scale)
     num_layers, _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_requests = block_tables.shape[0]
     device = k_cache.device
@@ -402,6 +485,8 @@ def gather_keys(k_cache, block_tables, lengths, n_max):
     else:
         blocks = torch.where(valid, block_tables.to(device=device, dtype=torch.int64)[:, pages], 0)
     keys = k_cache[:, blocks, positions % block_size]  # [L, R, n_max, H, d]
+    if k_scale is not None:
+        keys = (keys.to(torch.float32) * k_scale[:, blocks, positions % block_size][..., None]).to(dtype)
     keys = keys.permute(1, 0, 3, 2, 4)
     return keys.masked_fill(~valid[:, None, None, :, None], 0).contiguous()
 
@@ -414,7 +499,8 @@ def _score_tiles(rows, head_dim, element_size):
 
 
 def paged_attention_scores(
-    queries, k_cache, block_tables, lengths, scale, n_max, out=None, *, num_splits=None, window_chunk=None
+    queries, k_cache, block_tables, lengths, scale, n_max, out=None, *, num_splits=None, window_chunk=None,
+    k_scale=None,
 ):
     """Attention score A [R, L, H, n_max] float32 of the window queries on the paged keys.
 
@@ -426,15 +512,17 @@ def paged_attention_scores(
     the G = Hq / H query heads h*G + g of the causal softmax weight of key j (row i
     sees j <= lengths[r] - w + i). Padding j >= lengths[r]: 0. Written into `out`
     when given. num_splits (pass-1 key splits) and window_chunk (window rows per
-    program, a power of two) override the tuning, for tests.
+    program, a power of two) override the tuning, for tests. A float8 cache comes with its
+    float32 scales k_scale [L, num_blocks, b, H].
     """
-    _check_paged(k_cache, block_tables, lengths)
+    _check_paged(k_cache, block_tables, lengths, k_scale)
     num_requests, num_layers, window, num_heads, head_dim = queries.shape
     _, _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert k_cache.shape[0] == num_layers and cache_head_dim == head_dim and num_heads % num_kv_heads == 0
     assert head_dim in (16, 32, 64, 128, 256), "head_dim must be a power of two in [16, 256]"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
-    assert queries.dtype == k_cache.dtype
+    fp8 = k_scale is not None
+    assert fp8 or queries.dtype == k_cache.dtype
     assert queries.stride(4) == 1 and k_cache.stride(4) == 1 and block_tables.stride(1) == 1
     if out is None:
         out = torch.empty(num_requests, num_layers, num_kv_heads, n_max, dtype=torch.float32, device=k_cache.device)
@@ -451,7 +539,7 @@ def paged_attention_scores(
     window_chunk = max(window_chunk, 16 // min(group_pad, 16))  # tl.dot needs >= 16 rows
     rows = window_chunk * group_pad
     num_chunks = triton.cdiv(window, window_chunk)
-    block_n = _score_tiles(rows, head_dim, k_cache.element_size())
+    block_n = _score_tiles(rows, head_dim, (queries if fp8 else k_cache).element_size())
     max_tiles = triton.cdiv(n_max, block_n)
     layer_heads = num_layers * num_kv_heads
     if num_splits is None:
@@ -471,6 +559,7 @@ def paged_attention_scores(
         PAGE_SIZE=block_size,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(queries.dtype),
+        FP8=fp8,
         num_warps=SCORE_NUM_WARPS,
         num_stages=SCORE_NUM_STAGES,
     )
@@ -484,6 +573,7 @@ def paged_attention_scores(
         k_cache.stride(2),
         k_cache.stride(3),
         block_tables.stride(0),
+        *_scale_args(k_scale, lengths),
     )
     scale_log2 = scale * _LOG2_E
     _window_lse_kernel[(num_splits * num_chunks, layer_heads, num_requests)](
@@ -497,11 +587,11 @@ def paged_attention_scores(
     return out
 
 
-def paged_attention_scores_torch(queries, k_cache, block_tables, lengths, scale, n_max, out=None):
+def paged_attention_scores_torch(queries, k_cache, block_tables, lengths, scale, n_max, out=None, *, k_scale=None):
     """PyTorch twin of paged_attention_scores: gather_keys + policy.attention_scores."""
     from zipage.compression import policy
 
-    keys = gather_keys(k_cache, block_tables, lengths, n_max)
+    keys = gather_keys(k_cache, block_tables, lengths, n_max, k_scale=k_scale, dtype=queries.dtype)
     result = policy.attention_scores(queries, keys, lengths, scale)
     if out is None:
         return result
@@ -510,7 +600,7 @@ def paged_attention_scores_torch(queries, k_cache, block_tables, lengths, scale,
 
 
 def paged_redundancy_sums(k_cache, block_tables, lengths, threshold, n_max, out=None, *, block_rows=None,
-                          num_warps=None):
+                          num_warps=None, k_scale=None):
     """Lightning redundancy sums rsum [R, L, H, n_max] float32 from the paged keys.
 
     Partners of token n are the other valid tokens of its cache block (tokens
@@ -520,9 +610,10 @@ def paged_redundancy_sums(k_cache, block_tables, lengths, threshold, n_max, out=
     m*(n) == m. Padding: 0. k_cache, block_tables, lengths as for
     paged_attention_scores; b <= 256. Written into `out` when given. block_rows
     (similarity rows per step, a power of two >= 16) and num_warps override the
-    tuning.
+    tuning. A float8 cache comes with its float32 scales k_scale [L, num_blocks, b, H]
+    (similarities of the dequantized keys).
     """
-    _check_paged(k_cache, block_tables, lengths)
+    _check_paged(k_cache, block_tables, lengths, k_scale)
     num_layers, _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_requests = block_tables.shape[0]
     assert head_dim in (16, 32, 64, 128, 256), "head_dim must be a power of two in [16, 256]"
@@ -557,22 +648,24 @@ def paged_redundancy_sums(k_cache, block_tables, lengths, threshold, n_max, out=
         k_cache.stride(2),
         k_cache.stride(3),
         block_tables.stride(0),
+        *_scale_args(k_scale, lengths),
         PAGE_SIZE=block_size,
         BLOCK_B=block_b,
         BLOCK_ROWS=block_rows,
         HEAD_DIM=head_dim,
         DOT_PRECISION=dot_precision(k_cache.dtype),
+        FP8=k_scale is not None,
         num_warps=num_warps,
         num_stages=1,
     )
     return out
 
 
-def paged_redundancy_sums_torch(k_cache, block_tables, lengths, threshold, n_max, out=None):
+def paged_redundancy_sums_torch(k_cache, block_tables, lengths, threshold, n_max, out=None, *, k_scale=None):
     """PyTorch twin of paged_redundancy_sums: gather_keys + policy.redundancy_sums (lightning)."""
     from zipage.compression import policy
 
-    keys = gather_keys(k_cache, block_tables, lengths, n_max)
+    keys = gather_keys(k_cache, block_tables, lengths, n_max, k_scale=k_scale)
     result = policy.redundancy_sums(keys, lengths, threshold, block_size=k_cache.shape[2])
     if out is None:
         return result

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from zipage.kernels.common import dot_precision
+from zipage.kernels.common import dot_precision, is_fp8
 
 try:
     import triton
@@ -71,6 +71,10 @@ if triton is not None:
         num_heads,
         num_splits,
         min_split_tiles,
+        k_scale_ptr,
+        v_scale_ptr,
+        scale_stride_block,
+        scale_stride_slot,
         GROUP_SIZE: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -78,6 +82,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         """One program per (seq, kv_head, split); writes `out` directly when the sequence
         needs one split (always when SINGLE_SPLIT)."""
@@ -127,14 +132,25 @@ if triton is not None:
             # cannot reach the P @ V product.
             k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
             v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            if FP8:
+                # float8 -> the query's dtype is exact; each key's scale multiplies its logit
+                # and each value's scale its probability (the same products as dequantizing).
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+                scale_offsets = pages.to(tl.int64) * scale_stride_block + (positions % PAGE_SIZE) * scale_stride_slot
+                k_scale = tl.load(k_scale_ptr + scale_offsets + kv_head, mask=valid, other=0.0)
+                v_scale = tl.load(v_scale_ptr + scale_offsets + kv_head, mask=valid, other=0.0)
+                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
+            else:
+                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             scores = tl.where(valid[None, :], scores, float("-inf"))
             # Every tile holds at least one valid token, so new_max is finite.
             new_max = tl.maximum(row_max, tl.max(scores, 1))
             probs = tl.exp2(scores - new_max[:, None])
             correction = tl.exp2(row_max - new_max)
             row_sum = row_sum * correction + tl.sum(probs, 1)
+            if FP8:
+                probs = probs * v_scale[None, :]
             acc = tl.dot(probs.to(v.dtype), v, acc * correction[:, None], input_precision=DOT_PRECISION)
             row_max = new_max
 
@@ -220,8 +236,13 @@ def _choose_num_splits(batch, num_kv_heads, max_tiles, min_split_tiles, device):
     return max(1, min(splits, triton.cdiv(max_tiles, min_split_tiles), DECODE_MAX_SPLITS))
 
 
-def _check_args(q, k_cache, v_cache, block_tables, context_lens):
+def _check_args(q, k_cache, v_cache, block_tables, context_lens, k_scale=None, v_scale=None):
     batch, num_heads, head_dim = q.shape
+    assert (k_scale is None) == (v_scale is None) == (not is_fp8(k_cache.dtype)), \
+        "a float8 cache goes with its k_scale / v_scale, and only it"
+    if k_scale is not None:
+        assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
+        assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.stride(2) == 1
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -230,7 +251,7 @@ def _check_args(q, k_cache, v_cache, block_tables, context_lens):
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, *, num_splits=None,
-                           min_split_tokens=None):
+                           min_split_tokens=None, k_scale=None, v_scale=None):
     """Attend each sequence's single query to its first context_lens[i] cached tokens.
 
     q: [batch, num_heads, head_dim]; k_cache / v_cache: [num_blocks, block_size,
@@ -238,14 +259,16 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     context_lens: int32 [batch] (0 gives zeros). Returns [batch, num_heads,
     head_dim] in q.dtype, written into `out` when given. num_splits and
     min_split_tokens override the split-K factor and DECODE_MIN_SPLIT_TOKENS (for
-    tuning and tests). CUDA-graph capturable.
+    tuning and tests). CUDA-graph capturable. A float8 e4m3 cache comes with its
+    float32 scales k_scale / v_scale [num_blocks, block_size, kv_heads].
     """
-    _check_args(q, k_cache, v_cache, block_tables, context_lens)
+    _check_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert head_dim in (16, 32, 64, 128, 256), "head_dim must be a power of two in [16, 256]"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
-    assert q.dtype == k_cache.dtype == v_cache.dtype
+    fp8 = k_scale is not None
+    assert fp8 or q.dtype == k_cache.dtype == v_cache.dtype
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and block_tables.stride(1) == 1
     assert context_lens.is_contiguous(), "context_lens is read as a dense array"
     if out is None:
@@ -255,7 +278,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         return out
 
     group_size = num_heads // num_kv_heads
-    row_bytes = head_dim * k_cache.element_size()
+    # float8 tiles are widened to q's dtype in registers: tiled as q's dtype.
+    row_bytes = head_dim * (q.element_size() if fp8 else k_cache.element_size())
     block_n, num_warps, num_stages = DECODE_TILE_CONFIG[min(max(row_bytes, 128), 512)]
     max_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)
     if min_split_tokens is None:
@@ -293,6 +317,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         num_heads,
         num_splits,
         min_split_tiles,
+        k_scale if fp8 else context_lens,  # placeholders, never read
+        v_scale if fp8 else context_lens,
+        k_scale.stride(0) if fp8 else 0,
+        k_scale.stride(1) if fp8 else 0,
         GROUP_SIZE=group_size,
         GROUP_PAD=max(16, triton.next_power_of_2(group_size)),
         HEAD_DIM=head_dim,
@@ -300,6 +328,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         BLOCK_N=block_n,
         SINGLE_SPLIT=single_split,
         DOT_PRECISION=dot_precision(q.dtype),
+        FP8=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -321,9 +350,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     return out
 
 
-def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, out=None):
+def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, *,
+                                 k_scale=None, v_scale=None):
     """PyTorch twin of paged_decode_attention (float32 math, vectorised over the batch)."""
-    _check_args(q, k_cache, v_cache, block_tables, context_lens)
+    _check_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group_size = num_heads // num_kv_heads
@@ -338,6 +368,9 @@ def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens
     pages = torch.where(page_index[None, :] < pages_used, block_tables[:, :num_pages].long(), 0)
     keys = k_cache[pages].reshape(batch, num_pages * block_size, num_kv_heads, head_dim).float()
     values = v_cache[pages].reshape(batch, num_pages * block_size, num_kv_heads, head_dim).float()
+    if k_scale is not None:  # dequantize
+        keys = keys * k_scale[pages].reshape(batch, num_pages * block_size, num_kv_heads, 1)
+        values = values * v_scale[pages].reshape(batch, num_pages * block_size, num_kv_heads, 1)
     valid = torch.arange(num_pages * block_size, device=q.device)[None, :] < context_lens[:, None]
     values = values.masked_fill(~valid[:, :, None, None], 0.0)
 

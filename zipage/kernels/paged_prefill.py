@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from zipage.kernels.common import dot_precision
+from zipage.kernels.common import dot_precision, is_fp8
 import torch.nn.functional as F
 
 try:
@@ -47,11 +47,17 @@ if triton is not None:
         cache_stride_block,
         cache_stride_slot,
         scale_log2,
+        k_scale_ptr,
+        v_scale_ptr,
+        scale_stride_block,
+        scale_stride_slot,
+        kv_head,
         HEAD_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         """Online-softmax update with keys key_begin:key_begin+BLOCK_N.
 
@@ -71,7 +77,17 @@ if triton is not None:
             k = tl.load(k_cache_ptr + kv_offsets)
             v = tl.load(v_cache_ptr + kv_offsets)
 
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if FP8:
+            # float8 -> the query's dtype is exact; each key's scale multiplies its logit
+            # and each value's scale its probability (the same products as dequantizing).
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+            scale_offsets = pages.to(tl.int64) * scale_stride_block + (positions % PAGE_SIZE) * scale_stride_slot
+            k_scale = tl.load(k_scale_ptr + scale_offsets + kv_head, mask=in_context, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_offsets + kv_head, mask=in_context, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if CAUSAL:
             visible = (positions[None, :] <= q_positions[:, None]) & in_context[None, :]
             scores = tl.where(visible, scores, float("-inf"))
@@ -81,6 +97,8 @@ if triton is not None:
         probs = tl.exp2(scores - new_max[:, None])
         correction = tl.exp2(row_max - new_max)
         row_sum = row_sum * correction + tl.sum(probs, 1)
+        if FP8:
+            probs = probs * v_scale[None, :]
         acc = tl.dot(probs.to(v.dtype), v, acc * correction[:, None], input_precision=DOT_PRECISION)
         return new_max, row_sum, acc
 
@@ -102,12 +120,17 @@ if triton is not None:
         cache_stride_slot,
         cache_stride_head,
         block_table_stride,
+        k_scale_ptr,
+        v_scale_ptr,
+        scale_stride_block,
+        scale_stride_slot,
         GROUP_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         """One program per (BLOCK_M query rows, sequence, query head)."""
         q_tile = tl.program_id(0)
@@ -134,7 +157,8 @@ if triton is not None:
         )
 
         block_table_row = block_tables_ptr + seq.to(tl.int64) * block_table_stride
-        kv_head_offset = (head // GROUP_SIZE) * cache_stride_head
+        kv_head = head // GROUP_SIZE
+        kv_head_offset = kv_head * cache_stride_head
         row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -150,14 +174,16 @@ if triton is not None:
                 q, row_max, row_sum, acc, key_begin, q_positions, context_len,
                 k_cache_ptr, v_cache_ptr, block_table_row, kv_head_offset,
                 cache_stride_block, cache_stride_slot, scale_log2,
-                HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+                k_scale_ptr, v_scale_ptr, scale_stride_block, scale_stride_slot, kv_head,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, FP8=FP8,
             )  # fmt: skip
         for key_begin in range(unmasked_end, key_end, BLOCK_N):
             row_max, row_sum, acc = _attend_tile(
                 q, row_max, row_sum, acc, key_begin, q_positions, context_len,
                 k_cache_ptr, v_cache_ptr, block_table_row, kv_head_offset,
                 cache_stride_block, cache_stride_slot, scale_log2,
-                HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
+                k_scale_ptr, v_scale_ptr, scale_stride_block, scale_stride_slot, kv_head,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION, FP8=FP8,
             )  # fmt: skip
 
         result = acc / row_sum[:, None]
@@ -168,8 +194,13 @@ if triton is not None:
         )
 
 
-def _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
+def _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale=None, v_scale=None):
     assert q.dim() == 3 and k_cache.dim() == 4
+    assert (k_scale is None) == (v_scale is None) == (not is_fp8(k_cache.dtype)), \
+        "a float8 cache goes with its k_scale / v_scale, and only it"
+    if k_scale is not None:
+        assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
+        assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.stride(2) == 1
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, cache_head_dim = k_cache.shape[2:]
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
@@ -178,28 +209,32 @@ def _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
     assert cu_seqlens_q.shape == (batch + 1,) and block_tables.shape[0] == batch
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale):
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, *,
+                            k_scale=None, v_scale=None):
     """Causal varlen attention of packed queries over the paged KV cache.
 
     q: [total_q, num_heads, head_dim]; cu_seqlens_q: int32 [batch + 1];
     context_lens: int32 [batch] (>= each sequence's q_len, keys already
     stored); max_seqlen_q: host int >= every q_len. Returns [total_q,
-    num_heads, head_dim] in q.dtype.
+    num_heads, head_dim] in q.dtype. A float8 e4m3 cache comes with its float32
+    scales k_scale / v_scale [num_blocks, block_size, kv_heads].
     """
-    _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale, v_scale)
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     batch = context_lens.shape[0]
     assert head_dim in (16, 32, 64, 128, 256), "head_dim must be a power of two in [16, 256]"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
-    assert q.dtype == k_cache.dtype == v_cache.dtype
+    fp8 = k_scale is not None
+    assert fp8 or q.dtype == k_cache.dtype == v_cache.dtype
     assert cu_seqlens_q.is_contiguous() and context_lens.is_contiguous(), "read as dense arrays"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and block_tables.stride(1) == 1
     out = torch.empty_like(q)
     if total_q == 0 or batch == 0:
         return out
 
-    row_bytes = head_dim * k_cache.element_size()
+    # float8 tiles are widened to q's dtype in registers: tiled as q's dtype.
+    row_bytes = head_dim * (q.element_size() if fp8 else k_cache.element_size())
     block_m, block_n, num_warps, num_stages = PREFILL_TILE_CONFIG[min(max(row_bytes, 128), 512)]
     _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), batch, num_heads)](
         q,
@@ -218,21 +253,27 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        k_scale if fp8 else context_lens,  # placeholders, never read
+        v_scale if fp8 else context_lens,
+        k_scale.stride(0) if fp8 else 0,
+        k_scale.stride(1) if fp8 else 0,
         GROUP_SIZE=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         PAGE_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
+        FP8=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     return out
 
 
-def paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale):
+def paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale,
+                                  *, k_scale=None, v_scale=None):
     """PyTorch twin of paged_prefill_attention (float32 math, one SDPA call per sequence)."""
-    _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale, v_scale)
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group_size = num_heads // num_kv_heads
@@ -247,6 +288,9 @@ def paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_
         # [kv_heads, context_len, head_dim]
         keys = k_cache[pages].flatten(0, 1)[:context_len].transpose(0, 1).float()
         values = v_cache[pages].flatten(0, 1)[:context_len].transpose(0, 1).float()
+        if k_scale is not None:  # dequantize: [kv_heads, context_len, 1] scales
+            keys = keys * k_scale[pages].flatten(0, 1)[:context_len].transpose(0, 1)[..., None]
+            values = values * v_scale[pages].flatten(0, 1)[:context_len].transpose(0, 1)[..., None]
         # Fold the GQA group into the query rows: [kv_heads, group * q_len, head_dim].
         queries = q[q_begin:q_end].float().reshape(q_len, num_kv_heads, group_size, head_dim)
         queries = queries.permute(1, 2, 0, 3).reshape(num_kv_heads, group_size * q_len, head_dim)

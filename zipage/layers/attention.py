@@ -17,6 +17,9 @@ class Attention(nn.Module):
         self.scale = scale
         # Bound by the model runner once the cache is allocated.
         self.k_cache = self.v_cache = torch.empty(0)
+        # With kv_cache_dtype="fp8": float32 scales [blocks, block_size, kv_heads] of k_cache / v_cache.
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
         self.query_cache: torch.Tensor | None = None  # [slots * window + 1, heads, dim] with compression
         self.backend = None
 
@@ -25,6 +28,8 @@ class Attention(nn.Module):
         meta = get_attention_metadata()
         if self.k_cache.numel() == 0:  # memory profiling run, before the cache exists
             return dense_causal_attention(q, k, v, meta.cu_seqlens_q.tolist(), self.scale)
+        if self.k_scale is not None:  # float8 cache: the scales go along
+            return self._forward_fp8(q, k, v, meta)
         if meta.query_slots is not None:  # with compression: q into the observation window, same launch
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
                                   q, self.query_cache, meta.query_slots)
@@ -33,3 +38,14 @@ class Attention(nn.Module):
         if meta.is_prefill:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)
+
+    def _forward_fp8(self, q, k, v, meta) -> torch.Tensor:
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        if meta.query_slots is not None:
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                  q, self.query_cache, meta.query_slots, **scales)
+        else:
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
+        if meta.is_prefill:
+            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **scales)
+        return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale, **scales)

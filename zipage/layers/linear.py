@@ -11,6 +11,12 @@ and which of its rows (columns) this rank keeps.
   MLP slice of ``down_proj``) and sums the partial outputs over the group.
 
 With one process both are plain linear layers over the whole checkpoint tensor.
+
+Built inside ``quant.fp8_linears()``, a layer holds a float8 ``weight`` and a float32
+``weight_scale`` per output channel (``quant.py``); the loaders then quantize what they
+copy: a column-parallel shard's rows with their scales, a row-parallel shard with the
+scales of its whole rows (every rank holds all of them), so each rank's values are
+exactly those of one process.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zipage.distributed import all_reduce, partition, tp_size
+from zipage.layers import quant
 
 
 def copy_checked(target: torch.Tensor, loaded: torch.Tensor, what: str = "") -> None:
@@ -35,16 +42,47 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        fp8 = quant.fp8_enabled()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=quant.FP8 if fp8 else None),
+                                   requires_grad=False)
+        # float32 scale per output channel of a float8 weight (a buffer: no checkpoint tensor of its own)
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32) if fp8 else None)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         for param in (self.weight, self.bias):
             if param is not None:
                 param.weight_loader = self.weight_loader
 
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale is not None
+
+    def unquantize(self, dtype: torch.dtype) -> None:
+        """Hold the weight in ``dtype`` after all (a module a checkpoint leaves unquantized)."""
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight_scale = None
+
+    def _store_weight(self, target: torch.Tensor, row: int, loaded: torch.Tensor, what: str = "",
+                      scale: torch.Tensor | None = None) -> None:
+        """Copy ``loaded`` into ``target`` (this rank's weight rows from ``row`` on); a float8 weight
+        gets it quantized, with ``scale`` (else its own rows' scales) into ``weight_scale``."""
+        if not self.is_fp8 or tuple(loaded.shape) != tuple(target.shape):
+            copy_checked(target, loaded, what)  # (raises on a shape mismatch)
+            return
+        q, s = quant.quantize_rows(loaded.to(target.device), scale)
+        target.copy_(q)
+        self.weight_scale.narrow(0, row, target.shape[0]).copy_(s)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
-        copy_checked(param.data, loaded)
+        if param is self.weight:
+            self._store_weight(param.data, 0, loaded)
+        else:
+            copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_fp8:
+            return quant.fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -71,7 +109,10 @@ class ColumnParallelLinear(Linear):
         if loaded.shape[0] != full_rows:
             raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} has {loaded.shape[0]} rows; "
                              f"shard {shard!r} needs {full_rows}")
-        copy_checked(param.data.narrow(0, offset, rows), loaded.narrow(0, source, rows), what)
+        if param is self.weight:
+            self._store_weight(param.data.narrow(0, offset, rows), offset, loaded.narrow(0, source, rows), what)
+        else:
+            copy_checked(param.data.narrow(0, offset, rows), loaded.narrow(0, source, rows), what)
 
 
 class RowParallelLinear(Linear):
@@ -89,18 +130,29 @@ class RowParallelLinear(Linear):
         super().__init__(count, out_features, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
+        scale = None
         if param is self.weight and self.tp_size > 1:
             full = self.in_features * self.tp_size
             if loaded.dim() != 2 or loaded.shape[1] != full:
                 raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not have the "
                                  f"{full} input columns of this layer")
+            if self.is_fp8:  # the scales of the whole rows, the same on every rank
+                scale = quant.row_scales(loaded)
             loaded = loaded.narrow(1, self.first_column, self.in_features)
-        copy_checked(param.data, loaded)
+        if param is self.weight:
+            self._store_weight(param.data, 0, loaded, scale=scale)
+        else:
+            copy_checked(param.data, loaded)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.is_fp8:
+            return quant.fp8_linear(x, self.weight, self.weight_scale, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight))
+            return self._matmul(x, self.bias)
+        y = all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias
 
 

@@ -1,8 +1,9 @@
-"""The Llama-style decoder shared by Llama, Qwen2 and Qwen3.
+"""The Llama-style decoder shared by Llama, Qwen2, Qwen3 and Qwen3-MoE.
 
-The three families differ only in a few switches (``DecoderSpec``): biases on the
-attention projections, a per-head RMSNorm on queries and keys (Qwen3), and the
-RoPE scaling read from the config.
+The families differ only in a few switches (``DecoderSpec``): biases on the
+attention projections, a per-head RMSNorm on queries and keys (Qwen3), the
+RoPE scaling read from the config, and which layers have a mixture-of-experts
+MLP in place of the dense one (Qwen3-MoE; ``layers/moe.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from zipage.layers.activation import SiluAndMul
 from zipage.layers.attention import Attention
 from zipage.layers.embedding import LMHead, VocabEmbedding
 from zipage.layers.linear import RowParallelLinear, gate_up_linear, local_heads, qkv_linear
+from zipage.layers.moe import SparseMoE
 from zipage.layers.norm import RMSNorm
 from zipage.layers.rotary import RotaryEmbedding, norm_and_apply_rope
 
@@ -40,6 +42,12 @@ class DecoderSpec:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    # Mixture of experts: the layers whose MLP is sparse, and its shape
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
 
 class DecoderAttention(nn.Module):
@@ -88,7 +96,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = DecoderAttention(spec, layer_index, max_position)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = DecoderMLP(spec)
+        if layer_index in spec.moe_layers:
+            self.mlp = SparseMoE(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts,
+                                 spec.num_experts_per_tok, spec.norm_topk_prob)
+        else:
+            self.mlp = DecoderMLP(spec)
 
     def forward(self, positions, hidden, residual):
         if residual is None:

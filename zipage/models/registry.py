@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from zipage.layers.linear import Linear
+from zipage.layers.quant import checkpoint_fp8, fp8_linears, matches_module
 from zipage.models.decoder import DecoderForCausalLM, DecoderSpec
 
 # architecture -> (qkv bias, o_proj bias, q/k norm); None = read `attention_bias` from the config
@@ -9,6 +11,7 @@ _FAMILIES = {
     "LlamaForCausalLM": (None, None, False),
     "Qwen2ForCausalLM": (True, False, False),
     "Qwen3ForCausalLM": (None, None, True),
+    "Qwen3MoeForCausalLM": (None, None, True),
 }
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 
@@ -50,8 +53,53 @@ def spec_from_config(config) -> DecoderSpec:
         o_bias=attention_bias if o_bias is None else o_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         qk_norm=qk_norm,
+        **moe_settings(config),
     )
 
 
-def build_model(config, max_position: int) -> DecoderForCausalLM:
-    return DecoderForCausalLM(spec_from_config(config), max_position)
+def moe_settings(config) -> dict:
+    """The mixture-of-experts fields of a ``DecoderSpec`` (none for a dense model). As transformers'
+    Qwen3-MoE: layer i is sparse unless listed in ``mlp_only_layers``, when (i + 1) is a multiple of
+    ``decoder_sparse_step``."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    if not experts:
+        return {}
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    layers = tuple(i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    return dict(moe_layers=layers, num_experts=int(experts), num_experts_per_tok=int(config.num_experts_per_tok),
+                moe_intermediate_size=int(config.moe_intermediate_size),
+                norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)))
+
+
+# Linear layers that keep the model's dtype under fp8: the MoE router (tiny, and which experts
+# a token goes to is sensitive to its logits)
+ALWAYS_UNQUANTIZED = ("mlp.gate",)
+
+
+def build_model(config, max_position: int, quantization: str | None = None) -> DecoderForCausalLM:
+    """The model with empty weights. ``quantization="fp8"``, or a block-wise FP8 checkpoint
+    (``quantization_config``): its linear layers hold float8 weights (``layers/quant.py``),
+    but for the checkpoint's ``modules_to_not_convert``."""
+    spec = spec_from_config(config)
+    block, keep = checkpoint_fp8(config)
+    fp8 = quantization == "fp8" or block is not None
+    with fp8_linears(fp8):
+        model = DecoderForCausalLM(spec, max_position)
+    keep = keep + list(ALWAYS_UNQUANTIZED)
+    if fp8:
+        dtype = model.model.embed_tokens.weight.dtype
+        for name, module in model.named_modules():
+            if isinstance(module, Linear) and module.is_fp8 and matches_module(name, keep + _fused(name, keep)):
+                module.unquantize(dtype)
+    model.quantization = "fp8" if fp8 else None
+    model.fp8_block_size = block  # the checkpoint's weight_block_size (None: not an FP8 checkpoint)
+    return model
+
+
+def _fused(name: str, entries: list[str]) -> list[str]:
+    """Entries naming a part of a fused module (``...q_proj`` of ``...qkv_proj``), renamed to it."""
+    out = []
+    for fragment, (fused, _) in DecoderForCausalLM.packed_modules.items():
+        out += [e.replace(fragment, fused) for e in entries if fragment in e and fused in name]
+    return out

@@ -16,6 +16,20 @@ peak KV memory per request and a breakdown by solution length (thirds of the
 problem set), which shows whether the budget a policy needs grows with length.
 Results go to ``synthetic.json``, ``synthetic.md`` (the table) and ``synthetic.png``.
 
+``--kv-cache-dtype fp8`` and ``--quantization fp8`` run every configuration with an FP8 KV
+cache and/or FP8 weights (docs/fp8.md). Each such run is then compared with the same
+configuration (policy, budget) run unquantized (``--dtype``: bf16 on a GPU), by greedy-token
+agreement with that reference run (not with the reference solution):
+
+- ``agreement_prefix``: the share of the reference run's tokens reproduced before the first
+  divergence (as the correct-prefix fraction, against the reference run's output);
+- ``token_agreement``: the share of positions whose token equals the reference run's at the
+  same position, over all positions (the longer output's length; positions past the shorter
+  output's end disagree), so that divergences that later re-converge still count.
+
+Both are averaged over problems. The reference runs are made in the same invocation, or read
+from ``--reference DIR`` (the ``tokens.json`` an unquantized run writes with ``--save-tokens``).
+
 ``--settings`` compares named Zipage settings (``SETTINGS``) instead of policies: the
 published defaults, the statement kept, pooling at every compression, a window of one
 block, or all three ("tuned", the settings tuned on the ledger task). Each setting runs
@@ -82,6 +96,25 @@ def correct_prefix(generated: list[int], reference: list[int]) -> int:
     return n
 
 
+def token_agreement(generated: list[int], reference: list[int]) -> tuple[float, float]:
+    """(agreement_prefix, token_agreement) of ``generated`` against a reference run's tokens
+    (see the module doc); (1, 1) when both are empty."""
+    longest = max(len(generated), len(reference))
+    if longest == 0:
+        return 1.0, 1.0
+    same = sum(a == b for a, b in zip(generated, reference))
+    return correct_prefix(generated, reference) / max(1, len(reference)), same / longest
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
+    """Mean agreement_prefix and token_agreement of a run's outputs against a reference run's."""
+    if len(tokens) != len(reference):
+        raise ValueError(f"the reference run has {len(reference)} outputs, this run {len(tokens)}")
+    pairs = [token_agreement(g, r) for g, r in zip(tokens, reference)]
+    n = max(1, len(pairs))
+    return dict(agreement_prefix=sum(p for p, _ in pairs) / n, token_agreement=sum(t for _, t in pairs) / n)
+
+
 def score(encoded: list[Encoded], outputs) -> dict:
     """Accuracy and mean correct-prefix fraction of one run, with per-problem values."""
     correct, prefix = [], []
@@ -131,6 +164,7 @@ def run_engine(model_dir: str, encoded: list[Encoded], compression=None, device:
     peaks = [o.metrics.peak_blocks * block_bytes for o in outputs]
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = score(encoded, outputs)
+    result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
     result.update(seconds=round(elapsed, 2), generated_tokens=generated, tokens_per_second=generated / elapsed,
                   peak_kv_bytes_mean=sum(peaks) / len(peaks), peak_kv_bytes_max=max(peaks),
                   compressions=sum(o.metrics.num_compressions for o in outputs))
@@ -152,7 +186,7 @@ def evaluate_full_kv(model_dir: str, problems: list[tasks.Problem], device: str 
     from zipage.utils.loader import load_tokenizer
     encoded = encode(load_tokenizer(model_dir), problems)
     result = run_engine(model_dir, encoded, device=device, block_size=block_size)
-    return {k: v for k, v in result.items() if k not in ("correct", "prefix")}
+    return {k: v for k, v in result.items() if k not in ("correct", "prefix", "token_ids")}
 
 
 def budget_tokens(fraction: float, mean_length: float, block_size: int, window: int) -> int:
@@ -189,7 +223,9 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
                   task: str | tasks.AnySpec = "standard", start: int = 0, device: str | None = None,
                   block_size: int = 32, window: int = 16, dtype: str = "auto", max_num_seqs: int | None = None,
                   kv_cache_memory_bytes: int | None = None, log=print, keep_prompt: bool = False,
-                  pool_every_compression: bool = False, on_run=None, settings=None) -> dict:
+                  pool_every_compression: bool = False, on_run=None, settings=None, kv_cache_dtype: str = "auto",
+                  quantization: str | None = None, reference: dict | None = None,
+                  keep_tokens: bool = False) -> dict:
     """Full KV, then every (policy, budget); returns the record written to ``synthetic.json``.
     ``policies`` defaults to ``DEFAULT_POLICIES``.
     ``keep_prompt``: every policy keeps the problem statement (``CompressionConfig.keep_prompt``);
@@ -197,7 +233,11 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
     ``settings`` (names of ``SETTINGS``): compare these Zipage settings instead of policies, every
     (setting, budget); each setting fixes keep_prompt, pooling and window itself, so it excludes
     ``policies``, ``keep_prompt`` and ``pool_every_compression``.
-    ``on_run(record)`` is called with the partial record after every run (to save progress)."""
+    ``on_run(record)`` is called with the partial record after every run (to save progress).
+    ``kv_cache_dtype`` / ``quantization``: run with an FP8 KV cache and/or FP8 weights, and score
+    each run's greedy-token agreement with the unquantized run of the same configuration, taken
+    from ``reference`` ({run key: token ids per problem}, ``tokens.json``) or run here.
+    ``keep_tokens``: the record's ``tokens`` holds every run's token ids by run key."""
     from zipage import CompressionConfig
     from zipage.utils.loader import load_tokenizer
 
@@ -220,9 +260,24 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
     mean_length = sum(e.length for e in encoded) / len(encoded)
     common = dict(device=device, block_size=block_size, dtype=dtype, max_num_seqs=max_num_seqs,
                   kv_cache_memory_bytes=kv_cache_memory_bytes)
-    full = run_engine(model_dir, encoded, **common)
+    quantized = kv_cache_dtype != "auto" or quantization is not None
+    run_tokens: dict[str, list[list[int]]] = {}  # run key -> token ids per problem
+
+    def run(key: str, compression=None) -> dict:
+        """One run at this invocation's precision; with FP8, its agreement with the unquantized run."""
+        result = run_engine(model_dir, encoded, compression=compression, kv_cache_dtype=kv_cache_dtype,
+                            quantization=quantization, **common)
+        run_tokens[key] = result["token_ids"]
+        if quantized:
+            ref = (reference or {}).get(key)
+            if ref is None:
+                ref = run_engine(model_dir, encoded, compression=compression, **common)["token_ids"]
+            result.update(agreement(result["token_ids"], ref))
+        return result
+
+    full = run("full")
     log(f"full KV: accuracy {full['accuracy']:.3f}, correct prefix {full['prefix_fraction']:.3f} "
-        f"({full['tokens_per_second']:.0f} tokens/s)")
+        f"({full['tokens_per_second']:.0f} tokens/s)" + _agreement_text(full))
     runs = [dict(policy="full", budget_tokens=None, budget_fraction=1.0, **_summary(full, encoded))]
     record_settings = dict(model=model_dir, num_problems=num_problems,
                            task=task if isinstance(task, str) else asdict(task), family=tasks.family(task),
@@ -230,27 +285,43 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
                            recency_sink=RECENCY_SINK, keep_prompt=keep_prompt,
                            pool_every_compression=pool_every_compression, mean_length=mean_length,
                            min_length=min(e.length for e in encoded), max_length=max(e.length for e in encoded),
-                           device=device, dtype=dtype)
+                           device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     if settings is not None:
         record_settings["compared"] = {name: options for name, (_, options) in variants.items()}
     for fraction in budgets:
         tokens = budget_tokens(fraction, mean_length, block_size, widest)
         for name, (fields, options) in variants.items():
             config = CompressionConfig(kv_budget_tokens=tokens, **options)
-            result = run_engine(model_dir, encoded, compression=config, **common)
+            result = run(run_key(name, tokens), config)
             runs.append(dict(fields, budget_tokens=tokens, budget_fraction=tokens / mean_length,
                              requested_fraction=fraction, **_summary(result, encoded)))
             log(f"{name:>12} budget {tokens:>5} ({tokens / mean_length:.3f}): accuracy {result['accuracy']:.3f}, "
-                f"correct prefix {result['prefix_fraction']:.3f}")
+                f"correct prefix {result['prefix_fraction']:.3f}" + _agreement_text(result))
             if on_run is not None:
                 on_run(dict(settings=record_settings, runs=runs, summary=summarise(runs)))
-    return dict(settings=record_settings, runs=runs, summary=summarise(runs))
+    record = dict(settings=record_settings, runs=runs, summary=summarise(runs))
+    if keep_tokens:
+        record["tokens"] = run_tokens
+    return record
+
+
+def run_key(name: str, budget_tokens: int | None) -> str:
+    """A run's key in ``tokens.json``: "full", or the policy (setting) and its budget in tokens."""
+    return "full" if budget_tokens is None else f"{name}@{budget_tokens}"
+
+
+def _agreement_text(result: dict) -> str:
+    if "token_agreement" not in result:
+        return ""
+    return (f", agreement with unquantized: prefix {result['agreement_prefix']:.3f}, "
+            f"tokens {result['token_agreement']:.3f}")
 
 
 def _summary(result: dict, encoded: list[Encoded]) -> dict:
     keys = ("accuracy", "prefix_fraction", "tokens_per_second", "peak_kv_bytes_mean", "peak_kv_bytes_max",
             "compressions", "seconds", "generated_tokens")
     out = {k: result[k] for k in keys}
+    out.update({k: result[k] for k in ("agreement_prefix", "token_agreement") if k in result})
     out["accuracy_by_length"] = by_length(encoded, [float(c) for c in result["correct"]])
     out["prefix_by_length"] = by_length(encoded, result["prefix"])
     out["correct"] = result["correct"]
@@ -310,17 +381,27 @@ def table(record: dict) -> str:
     for tokens in sorted({r["budget_tokens"] for r in runs if r["budget_tokens"] is not None}):
         row = {r["policy"]: r for r in runs if r["budget_tokens"] == tokens}
         fraction = next(iter(row.values()))["budget_fraction"]
-        cells = [f"{row[p]['accuracy']:.3f} / {row[p]['prefix_fraction']:.3f}" if p in row else "-" for p in policies]
+        cells = [_cell(row[p]) if p in row else "-" for p in policies]
         lines.append(f"| {tokens} | {fraction:.3f} | " + " | ".join(cells) + " |")
-    full_cell = f"{full['accuracy']:.3f} / {full['prefix_fraction']:.3f}"
-    lines.append("| full KV | 1 | " + " | ".join([full_cell] * len(policies)) + " |")
+    lines.append("| full KV | 1 | " + " | ".join([_cell(full)] * len(policies)) + " |")
     s = record["summary"]
     keep = s["zipage_keeps_95_from_fraction"]
+    if "token_agreement" in full:
+        settings = record["settings"]
+        lines[0] = lines[0].replace("acc / prefix |", "acc / prefix / agreement |")
+        lines += ["", f"Agreement: greedy-token agreement with the unquantized run of the same configuration (share "
+                      f"of positions), kv_cache_dtype={settings.get('kv_cache_dtype')}, "
+                      f"quantization={settings.get('quantization')}."]
     lines.append("")
     lines.append("Smallest budget at which Zipage keeps 95% of full-KV accuracy: "
                  + (f"{s['zipage_keeps_95_from_tokens']} tokens ({keep:.3f} of the mean sequence)."
                     if keep is not None else "none of the budgets tried."))
     return "\n".join(lines)
+
+
+def _cell(run: dict) -> str:
+    cell = f"{run['accuracy']:.3f} / {run['prefix_fraction']:.3f}"
+    return cell + (f" / {run['token_agreement']:.3f}" if "token_agreement" in run else "")
 
 
 def settings_table(record: dict) -> str:
@@ -392,9 +473,12 @@ def plot(record: dict, path: str) -> bool:
 def write(record: dict, out_dir: str, plot_too: bool = True) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "synthetic.json"), "w") as f:
-        json.dump(record, f, indent=1)
+        json.dump({k: v for k, v in record.items() if k != "tokens"}, f, indent=1)
     with open(os.path.join(out_dir, "synthetic.md"), "w") as f:
         f.write(table(record) + "\n")
+    if "tokens" in record:
+        with open(os.path.join(out_dir, "tokens.json"), "w") as f:
+            json.dump(record["tokens"], f)
     if plot_too:
         plot(record, os.path.join(out_dir, "synthetic.png"))
 
@@ -428,6 +512,16 @@ def add_eval_parser(sub) -> None:
                    help="every policy keeps the problem statement (the prompt, up to half the budget)")
     s.add_argument("--pool-every-compression", action="store_true",
                    help="Zipage max-pools its scores at every compression (published: only at the first)")
+    s.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: keys and values in float8 (docs/fp8.md); runs are compared with unquantized ones")
+    s.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: float8 weights (docs/fp8.md); runs are compared with unquantized ones")
+    s.add_argument("--save-tokens", action="store_true",
+                   help="write every run's greedy tokens to tokens.json (the reference of a later FP8 run)")
+    s.add_argument("--reference", default=None,
+                   help="directory of an unquantized run made with --save-tokens and the same problems, budgets and "
+                        "policies: its tokens.json is the reference of --kv-cache-dtype / --quantization runs "
+                        "(default: run the reference here, which doubles the runs)")
     s.add_argument("--out", default="results/quality")
     s.set_defaults(func=_run_synthetic)
     math_eval.add_math_parser(kinds)
@@ -450,11 +544,18 @@ def _run_synthetic(args: argparse.Namespace) -> int:
     if settings is not None and (policies is not None or args.keep_prompt or args.pool_every_compression):
         raise ValueError("--settings runs Zipage with each setting's own statement and pooling choices: "
                          "leave out --policies, --keep-prompt and --pool-every-compression")
+    reference = None
+    if args.reference is not None:
+        with open(os.path.join(args.reference, "tokens.json")) as f:
+            reference = json.load(f)
     record = run_synthetic(args.model, args.num_problems, budgets, policies, args.task, args.start, args.device,
                            args.block_size, args.window, args.dtype, args.max_num_seqs, args.kv_cache_memory_bytes,
                            keep_prompt=args.keep_prompt, pool_every_compression=args.pool_every_compression,
-                           settings=settings, on_run=lambda partial: write(partial, args.out, plot_too=False))
+                           settings=settings, on_run=lambda partial: write(partial, args.out, plot_too=False),
+                           kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, reference=reference,
+                           keep_tokens=args.save_tokens)
     write(record, args.out)
     print("\n" + table(record))
-    print(f"\nwrote synthetic.json, synthetic.md and synthetic.png to {args.out}")
+    print(f"\nwrote synthetic.json, synthetic.md and synthetic.png{' and tokens.json' if args.save_tokens else ''} "
+          f"to {args.out}")
     return 0

@@ -1,4 +1,8 @@
-"""Size and allocate the paged KV cache: [2, layers, blocks, block_size, kv_heads, head_dim]."""
+"""Size and allocate the paged KV cache: [2, layers, blocks, block_size, kv_heads, head_dim].
+
+With ``kv_cache_dtype="fp8"`` the cache holds float8 e4m3 and a second tensor its float32
+scales, one per token and KV head: [2, layers, blocks, block_size, kv_heads] (docs/fp8.md).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,37 @@ import logging
 
 import torch
 
+from zipage.kernels.common import FP8_DTYPE
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
+def kv_cache_dtype(cache_config, dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type: the model's dtype, or float8 e4m3 with ``kv_cache_dtype="fp8"``."""
+    return FP8_DTYPE if cache_config.kv_cache_dtype == "fp8" else dtype
+
+
+def check_fp8_kv_support(device: torch.device) -> None:
+    """Raise a ValueError where a float8 KV cache cannot run: a torch without float8 e4m3, or a
+    GPU below compute capability 8.9 (the Triton kernels, which compression uses whatever the
+    attention backend, convert float8 in hardware from Ada and Hopper on)."""
+    if FP8_DTYPE is None:
+        raise ValueError(f"kv_cache_dtype='fp8' needs a torch with float8_e4m3fn (this is {torch.__version__})")
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            name = torch.cuda.get_device_name(device)
+            raise ValueError(f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper, "
+                             f"Blackwell); {name} has {major}.{minor}. Use kv_cache_dtype='auto' on this GPU.")
+
+
 def bytes_per_block(spec, block_size: int, dtype: torch.dtype, with_scores: bool = False) -> int:
-    """Keys and values of one block in every layer (plus its float32 history scores)."""
-    kv = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    """Keys and values of one block in every layer (plus its float32 history scores). A float8
+    ``dtype`` also pays for the keys' and values' float32 scales (one per token and KV head)."""
+    per_row = spec.head_dim * dtype.itemsize + (4 if dtype == FP8_DTYPE else 0)
+    kv = 2 * spec.num_layers * block_size * spec.num_kv_heads * per_row
     return kv + (spec.num_layers * block_size * spec.num_kv_heads * 4 if with_scores else 0)
 
 
@@ -35,7 +62,7 @@ def plan_cache(spec, cache_config, compression, dtype: torch.dtype, device: torc
     blocks beyond M * N also serve requests without a slot.
     """
     with_scores = compression is not None and compression.global_score_decay is not None
-    per_block = bytes_per_block(spec, cache_config.block_size, dtype, with_scores)
+    per_block = bytes_per_block(spec, cache_config.block_size, kv_cache_dtype(cache_config, dtype), with_scores)
     if cache_config.kv_cache_memory_bytes is not None:
         budget = cache_config.kv_cache_memory_bytes
     elif device.type == "cuda":
@@ -96,3 +123,14 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) ->
     for i, layer in enumerate(model.attention_layers()):
         layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
     return kv
+
+
+def allocate_kv_scales(model, num_blocks: int, block_size: int, device) -> torch.Tensor:
+    """Scales of a float8 cache: [2, layers, blocks, block_size, kv_heads] float32; each attention
+    layer gets views of its key and value scales (zeroed: unwritten slots dequantize to 0)."""
+    spec = model.local_spec
+    scales = torch.zeros(2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, dtype=torch.float32,
+                         device=device)
+    for i, layer in enumerate(model.attention_layers()):
+        layer.k_scale, layer.v_scale = scales[0, i], scales[1, i]
+    return scales

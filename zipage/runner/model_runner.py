@@ -33,7 +33,8 @@ from zipage.runner.thinking import ThinkingBudgets
 from zipage.compression.executor import Compressor
 from zipage.compression.graphs import CompressionGraphs
 from zipage.runner.trace import GpuTrace
-from zipage.runner.kv_cache import allocate_kv_cache, allocate_query_cache, allocate_score_cache, plan_cache
+from zipage.runner.kv_cache import (allocate_kv_cache, allocate_kv_scales, allocate_query_cache, allocate_score_cache,
+                                    check_fp8_kv_support, kv_cache_dtype, plan_cache)
 from zipage.utils.loader import init_dummy_weights, load_weights
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,9 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        if config.cache.kv_cache_dtype == "fp8":  # before loading weights: a GPU that cannot is refused at once
+            check_fp8_kv_support(self.device)
+        self.kv_dtype = kv_cache_dtype(config.cache, self.dtype)  # float8 e4m3 with kv_cache_dtype="fp8"
         sched, cache = config.scheduler, config.cache
         self.block_size = cache.block_size
         # Block-table columns: what a request at max_model_len would hold (with compression a
@@ -167,10 +171,13 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = build_model(hf_config, sched.max_model_len)
+                self.model = build_model(hf_config, sched.max_model_len, config.quantization)
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.eval()
+        if self.model.quantization == "fp8":
+            from zipage.layers.quant import log_fp8_paths
+            log_fp8_paths(self.device, self.dtype)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
@@ -204,14 +211,18 @@ class ModelRunner:
         if compression is not None:
             self.query_cache = allocate_query_cache(self.model, self.num_query_slots, window, self.dtype,
                                                     self.device)
-        self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        # float8 cache: its scales [2, layers, blocks, block_size, kv_heads] float32 (each rank its heads')
+        self.kv_scales = None
+        if config.cache.kv_cache_dtype == "fp8":
+            self.kv_scales = allocate_kv_scales(self.model, self.num_blocks, self.block_size, self.device)
         self.compressor = None
         if compression is not None:
             score_cache = None
             if compression.global_score_decay is not None:
                 score_cache = allocate_score_cache(self.model.local_spec, self.num_blocks, self.block_size, self.device)
             self.compressor = Compressor(compression, self.kv_cache, score_cache, self.query_cache,
-                                         self.spec.head_dim ** -0.5, self.block_size)
+                                         self.spec.head_dim ** -0.5, self.block_size, kv_scales=self.kv_scales)
             if self.device.type == "cuda" and not config.enforce_eager and compression.policy == "zipage":
                 per_batch = compression.max_blocks_per_compression // compression.max_blocks_per_seq
                 self.compressor.graphs = CompressionGraphs(self.compressor, min(self.num_query_slots, per_batch))

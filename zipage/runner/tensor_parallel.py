@@ -38,7 +38,10 @@ logger = logging.getLogger(__name__)
 def check_shardable(spec, config: EngineConfig) -> None:
     """Raise ``ValueError`` naming what cannot be split over ``tensor_parallel_size`` ranks."""
     tp = config.tensor_parallel_size
-    for name, value in (("num_attention_heads", spec.num_heads), ("intermediate_size", spec.intermediate_size)):
+    sizes = [("num_attention_heads", spec.num_heads), ("intermediate_size", spec.intermediate_size)]
+    if spec.num_experts:  # each rank holds a slice of every expert
+        sizes.append(("moe_intermediate_size", spec.moe_intermediate_size))
+    for name, value in sizes:
         if value % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={value}")
     kv = spec.num_kv_heads

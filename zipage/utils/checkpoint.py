@@ -89,7 +89,15 @@ SHAPES = {
                       rope_theta=500000.0, tie_word_embeddings=False,
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Mixture of experts (arch qwen3_moe): 128 experts, 8 per token, ~3B of 30.5B parameters active
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False),
 }
+# The tiny shape's experts, for arch qwen3_moe: 8 experts, 2 per token, the last layer dense
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[1])
 
 
 def _synthetic_merges(vocab_size: int, seed: int = 0) -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -161,20 +169,30 @@ def build_tokenizer(vocab_size: int = 384, thinking: str | None = None, syntheti
 
 
 def hf_config(arch: str = "qwen3", shape: str = "tiny", vocab_size: int | None = None, **overrides):
-    """A transformers config of ``arch`` (qwen3, qwen2, llama) in a named shape."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A transformers config of ``arch`` (qwen3, qwen2, llama, qwen3_moe) in a named shape (a
+    mixture-of-experts shape is always qwen3_moe)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    classes = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}
+    classes = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
     if arch not in classes:
         raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(classes)}")
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose from {sorted(SHAPES)}")
     fields = dict(SHAPES[shape])
+    if "num_experts" in fields:
+        arch = "qwen3_moe"
+    elif arch == "qwen3_moe":
+        if shape != "tiny":
+            raise ValueError(f"shape {shape!r} has no experts: use qwen3_moe with tiny or a mixture-of-experts "
+                             f"shape ({', '.join(s for s in SHAPES if 'num_experts' in SHAPES[s])})")
+        fields.update(TINY_MOE)
     if vocab_size is not None:
         fields["vocab_size"] = vocab_size
     if arch == "qwen2":
         fields.pop("head_dim", None)  # Qwen2 derives it from hidden_size / heads
     fields.update(overrides)
+    if isinstance(fields.get("mlp_only_layers"), tuple):  # hashable in a test's fixture key; a list for the config
+        fields["mlp_only_layers"] = list(fields["mlp_only_layers"])
     rope_scaling = fields.pop("rope_scaling", None)
     config = classes[arch](**fields)
     if rope_scaling is not None:
