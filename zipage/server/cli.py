@@ -225,4 +225,7 @@ def serve(config) -> None:
     """Run uvicorn with ``config`` until it is stopped (a signal)."""
     import uvicorn
 
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down gracefully and re-raises it
+        pass
