@@ -28,20 +28,8 @@ class Attention(nn.Module):
         meta = get_attention_metadata()
         if self.k_cache.numel() == 0:  # memory profiling run, before the cache exists
             return dense_causal_attention(q, k, v, meta.cu_seqlens_q.tolist(), self.scale)
-        if self.k_scale is not None:  # float8 cache: the scales go along
-            return self._forward_fp8(q, k, v, meta)
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)  # None but with a float8 cache
         if meta.query_slots is not None:  # with compression: q into the observation window, same launch
-            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
-                                  q, self.query_cache, meta.query_slots)
-        else:
-            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if meta.is_prefill:
-            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)
-
-    def _forward_fp8(self, q, k, v, meta) -> torch.Tensor:
-        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
-        if meta.query_slots is not None:
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
                                   q, self.query_cache, meta.query_slots, **scales)
         else:
@@ -49,3 +37,4 @@ class Attention(nn.Module):
         if meta.is_prefill:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **scales)
         return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale, **scales)
+
