@@ -60,7 +60,13 @@ def test_batch_two_replicas_answer_a_file_as_one_engine_would_and_resume(checkpo
 
 
 def _stream(url, body, out, index):
+    """The stream's events; a call its replica dropped before answering (a 502) reads as its error
+    event and the end, as one dropped mid-stream does."""
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+        if response.status_code != 200:
+            response.read()
+            out[index] = (response.headers.get("x-replica"), [response.text, "[DONE]"])
+            return
         out[index] = (response.headers.get("x-replica"),
                       [line[6:] for line in response.iter_lines() if line.startswith("data: ")])
 

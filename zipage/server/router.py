@@ -295,7 +295,7 @@ def create_router_app(replicas, model_name: str, api_key: str | None = None, rou
                 mark_down(i)
                 metrics.failed.labels(str(i)).inc()
                 raise ApiError(502, f"replica {i} stopped answering while taking this request", type="server_error",
-                               code="replica_failed") from None
+                               code="replica_failed", headers={"x-replica": str(i)}) from None
             metrics.routed.labels(str(i)).inc()
             return await answer(i, upstream)
         raise ApiError(503, "no replica is running; retry later", type="server_error", headers={"Retry-After": "1"})
