@@ -304,10 +304,14 @@ class CheckingRunner:
         self._fault_point("prefill_launch" if is_prefill else "decode_launch")
         seqs = list(seqs)
         self._check_batch(seqs, previous)
-        inputs = {seq.request_id: self._input_token(seq, is_prefill, previous) for seq in seqs}
+        assert is_prefill == any(s.chunk is not None for s in seqs), "is_prefill: whether the step has prompt chunks"
+        if is_prefill:
+            decodes = [s for s in seqs if s.chunk is None]
+            assert seqs[:len(decodes)] == decodes, "decodes come before prompt chunks"
+        inputs = {seq.request_id: self._input_token(seq, previous) for seq in seqs}
         before = {s.request_id: copy.copy(self.expected.get(s.request_id)) for s in seqs}
         self._writes = []
-        self._forward(seqs, is_prefill, inputs)
+        self._forward(seqs, inputs)
         try:
             self._fault_point("sampler")
         except InjectedFault:
@@ -315,9 +319,10 @@ class CheckingRunner:
             # requests' caches are as before it, so that a retried step finds what it expects.
             self.expected.update(before)
             raise
-        tokens = self._sample(seqs, eos_token_ids, is_prefill)
-        step = LaunchedStep(self.num_launches, seqs, is_prefill, tokens, [s.num_tokens for s in seqs],
-                            [_incarnation(s) for s in seqs], writes=self._writes, fed_by=previous,
+        sampled = [s for s in seqs if s.samples]  # an earlier chunk of a prompt yields no token
+        tokens = self._sample(sampled, eos_token_ids)
+        step = LaunchedStep(self.num_launches, sampled, is_prefill, tokens, [s.num_tokens for s in sampled],
+                            [_incarnation(s) for s in sampled], writes=self._writes, fed_by=previous,
                             fed={s.request_id for s in seqs if s.num_pending})
         self.num_launches += 1
         self.uncollected.append(step)
@@ -337,17 +342,18 @@ class CheckingRunner:
             assert seq.status is SequenceStatus.RUNNING, f"request {rid} launched while {seq.status.value}"
             assert not self._compacting(seq), f"request {rid} is launched while its compaction is in flight"
 
-    def _forward(self, seqs: list[Sequence], is_prefill: bool, inputs: dict[str, int | None]) -> None:
+    def _forward(self, seqs: list[Sequence], inputs: dict[str, int | None]) -> None:
         """As in a forward: every layer stores the whole step's KV before attention reads it."""
         holders = self._block_holders()
+        chunks = [s for s in seqs if s.chunk is not None]
         for seq in seqs:
-            if is_prefill:
-                self._write_prefill(seq, holders, seqs)
+            if seq.chunk is not None:
+                self._write_prefill(seq, holders, chunks)
             else:
                 self._write_decode(seq, holders, inputs[seq.request_id])
         for seq in seqs:
-            upto = seq.num_tokens if is_prefill else seq.kv_len + 1
-            self._check_reads(seq, upto, "prefill" if is_prefill else "decode")
+            upto = sum(seq.chunk) if seq.chunk is not None else seq.kv_len + 1
+            self._check_reads(seq, upto, "prefill" if seq.chunk is not None else "decode")
 
     @_checked
     def collect(self, step: LaunchedStep) -> list[int]:
@@ -380,10 +386,10 @@ class CheckingRunner:
                     if block in task.source_blocks:  # the compaction read garbage: its result is garbage
                         self.in_flight.tainted.add(task.seq.request_id)
 
-    def _input_token(self, seq: Sequence, is_prefill: bool, previous: LaunchedStep | None) -> int | None:
+    def _input_token(self, seq: Sequence, previous: LaunchedStep | None) -> int | None:
         """The decode input token the device would use, checked against what was sampled."""
         rid, pos = seq.request_id, seq.num_tokens - 1
-        if is_prefill:
+        if seq.chunk is not None:
             assert seq.num_pending == 0, f"request {rid}: prefilled with {seq.num_pending} token(s) not on the host"
             return None
         assert seq.num_pending in (0, 1), f"request {rid}: {seq.num_pending} pending tokens at a decode"
@@ -400,10 +406,11 @@ class CheckingRunner:
                 f"request {rid}: input token {token} at position {pos}, sampled {self.sampled.get((rid, pos))}"
         return token
 
-    def _sample(self, seqs: list[Sequence], eos_token_ids, is_prefill: bool) -> list[int]:
+    def _sample(self, seqs: list[Sequence], eos_token_ids) -> list[int]:
         """The real sampler on logits of (request, position), as the model runner calls it."""
-        if is_prefill:
-            self.penalties.admit(seqs)
+        if not seqs:
+            return []
+        self.penalties.admit([s for s in seqs if s.chunk is not None])  # prompts whose last chunk ran
         st = sampling_tensors(seqs, self.vocab_size, set(eos_token_ids), torch.device("cpu"), self.penalties.rows)
         sampled = self.sampler(self.tokens.logits(seqs), st)
         self.penalties.add_sampled(st, sampled)
@@ -464,9 +471,15 @@ class CheckingRunner:
 
     def _write_prefill(self, seq: Sequence, holders, batch) -> None:
         rid, tokens = seq.request_id, seq.token_ids
-        start, end = seq.num_prefix_hit_tokens, seq.num_tokens
-        assert seq.kv_len == 0 and seq.kv_is_token_prefix, f"request {rid}: prefill of a used cache ({seq})"
-        assert start % self.block_size == 0 and 0 <= start < end, f"request {rid}: prefix hit of {start} tokens"
+        start, n = seq.chunk
+        end = start + n
+        assert seq.kv_len == start and seq.kv_is_token_prefix, f"request {rid}: chunk {seq.chunk} of {seq}"
+        assert end <= seq.num_tokens and seq.num_pending == 0, f"request {rid}: chunk {seq.chunk} of {seq}"
+        hit = seq.num_prefix_hit_tokens
+        assert hit % self.block_size == 0 and 0 <= hit <= start < end, f"request {rid}: prefix hit of {hit} tokens"
+        if start > hit:  # a later chunk: the earlier ones' KV is cached
+            expected = self.expected.get(rid)
+            assert expected is not None and len(expected) == start, f"request {rid}: chunk {seq.chunk} after {expected}"
         for pos in range(start, end):
             self._write(seq, pos, pos, self._entry(seq, pos, tokens), holders, batch)
         if self.window is not None:

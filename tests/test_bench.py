@@ -38,11 +38,11 @@ def test_throughput_benchmark_small_scale_writes_results(tmp_path, capsys, monke
     assert len(rates) == 2 * len(result["modes"])
     for (raw, mean), timeline in zip(zip(rates[::2], rates[1::2]), result["timelines"].values()):
         assert raw.get_alpha() < 0.5 and mean.get_alpha() is None and mean.get_linewidth() >= 3 * raw.get_linewidth()
-        assert list(raw.get_ydata()) == [s["seqs"] / s["dt"] for s in timeline]
+        assert list(raw.get_ydata()) == [s["decodes"] / s["dt"] for s in timeline]
         # The bold line is the rolling rate over 1/30 of the longest run, at each step's time.
         window = max(steps[-1]["t"] for steps in result["timelines"].values() if steps) / 30
         times = [s["t"] for s in timeline]
-        assert list(mean.get_ydata()) == rolling_rate(times, [s["seqs"] for s in timeline], window)
+        assert list(mean.get_ydata()) == rolling_rate(times, [s["decodes"] for s in timeline], window)
     assert result["benchmark"] == "throughput" and result["workload"]["name"] == "reasoning-8k"
     for mode in ("full", "zipage"):
         metrics = result["modes"][mode]

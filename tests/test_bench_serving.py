@@ -183,3 +183,40 @@ def test_host_benchmark_measures_a_window_per_length(tmp_path, capsys):
     assert "cpu_ms_per_step" in capsys.readouterr().out
     assert cli_main(["bench", "host", "--output-lens", "60", "--window-steps", "16"]) == 2
     assert "--output-lens must each be >= 66" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_long_prompts_among_decoding_streams(tmp_path, chunked):
+    """``--background``: streams decode while long prompts arrive; the report separates the
+    streams' gaps in the window the long prompts are prefilled from those before it."""
+    out = tmp_path / ("on" if chunked else "off")
+    code = cli_main(["bench", "serve", "--shape", "tiny", "--device", "cpu", "--block-size", "16",
+                     "--max-model-len", "512", "--max-num-seqs", "8", "--background", "4", "--input-len", "8",
+                     "--output-len", "120", "--long-prompts", "300,200", "--long-repeats", "1",
+                     "--long-start", "0.3", "--long-rate", "20", "--long-output-len", "4",
+                     "--max-num-batched-tokens", "64" if chunked else "512", "--out", str(out),
+                     *([] if chunked else ["--no-chunked-prefill"])])
+    assert code == 0
+    result = json.loads((out / "serving.json").read_text())
+    assert result["benchmark"] == "serving-interference" and result["failed"] == 0
+    assert result["streams"] == 4 and result["long_prompts"] == 2
+    assert sorted(n for n, _ in result["long_ttft_s"]) == [200, 300]
+    first, last = result["window_s"]
+    assert 0.3 <= first < last and result["median_decode_step_s"] > 0
+    assert result["itl_all_s"]["count"] == 4 * 119  # every stream's tokens after its first
+    assert result["itl_window_s"]["p50"] <= result["itl_window_s"]["p99"] <= result["itl_window_s"]["max"]
+    assert result["settings"]["server"]["engine"]["enable_chunked_prefill"] is chunked
+
+
+def test_window_gaps_count_the_chunks_that_arrived_in_the_window():
+    from array import array
+
+    from zipage.bench.interference import gap_stats, window_gaps
+
+    results = [{"gaps": array("d", [0.1, 0.2, 0.5]), "counts": array("l", [1, 2, 1]),
+                "times": array("d", [1.0, 2.0, 3.0])},
+               {"gaps": array("d", [0.3]), "counts": array("l", [3]), "times": array("d", [2.5])}]
+    assert sorted(window_gaps(results, 1.5, 2.5).tolist()) == [0.2, 0.2, 0.3, 0.3, 0.3]
+    assert window_gaps(results, 5.0, 6.0).size == 0
+    stats = gap_stats(window_gaps(results, 0.0, 9.0))
+    assert stats["count"] == 7 and stats["max"] == 0.5 and stats["p50"] == 0.3

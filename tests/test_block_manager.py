@@ -55,8 +55,9 @@ class KVStore:
 
 
 def prefill(bm: BlockManager, seq: Sequence, next_token: int, kv: KVStore | None = None) -> None:
-    """Allocate and run the prefill of ``seq`` as the engine does."""
+    """Allocate and run the prefill of ``seq`` as the engine does (one chunk)."""
     bm.allocate(seq)
+    bm.schedule_chunk(seq, seq.num_tokens - seq.num_prefix_hit_tokens)
     if kv is not None:
         for pos in range(seq.num_prefix_hit_tokens):
             block = seq.block_table[pos // bm.block_size]
@@ -164,11 +165,14 @@ def test_shared_prefix_is_shared_from_allocation():
     b = make_seq(list(range(8)) + [50, 51, 52])
     assert bm.cached_prefix_tokens(b) == 0
     bm.allocate(a)
+    assert a.num_registered_blocks == 0 and bm.cached_prefix_tokens(b) == 0  # no KV scheduled yet
+    bm.schedule_chunk(a, a.num_tokens)
     # a's full blocks are cached once its prefill is scheduled: a request admitted in the
     # same step reads them after that step's forward has stored them.
     assert a.num_registered_blocks == 2
     assert bm.cached_prefix_tokens(b) == 8
     bm.allocate(b)
+    bm.schedule_chunk(b, b.num_tokens - b.num_prefix_hit_tokens)
     assert b.num_prefix_hit_tokens == 8 and b.num_registered_blocks == 2
     assert list(b.block_table)[:2] == list(a.block_table)[:2]
     assert b.block_table[2] != a.block_table[2]
@@ -298,11 +302,34 @@ def test_chained_hash_needs_equal_earlier_blocks():
     check_invariants(bm, [a, b])
 
 
+def test_a_chunk_caches_only_the_blocks_it_completes():
+    """A prompt prefilled in chunks: a block enters the prefix cache with the chunk that computes
+    its last token, never before (a request admitted meanwhile would read KV not yet written)."""
+    bm = BlockManager(16, 4)
+    a, b = make_seq(range(13)), make_seq(list(range(12)) + [99])
+    bm.allocate(a)
+    assert a.kv_len == a.num_computed == 0 and a.prefilling and len(a.block_table) == 4
+    bm.schedule_chunk(a, 6)  # tokens 0-5: block 0 complete, block 1 not
+    assert a.chunk == (0, 6) and a.num_computed == 6 and a.prefilling and a.num_registered_blocks == 1
+    assert bm.cached_prefix_tokens(b) == 4
+    bm.cache_step(a)
+    assert a.kv_len == 6
+    bm.schedule_chunk(a, 7)  # the rest: blocks 1 and 2 complete, the 13th token alone in block 3
+    assert a.chunk == (6, 7) and not a.prefilling and a.num_registered_blocks == 3
+    assert bm.cached_prefix_tokens(b) == 12  # b's own 13th token is computed
+    with pytest.raises(AssertionError):
+        bm.schedule_chunk(a, 1)  # nothing left to prefill
+    bm.free(a)
+    assert not a.prefilling and a.chunk is None and a.kv_len == a.num_computed == 0
+
+
 def test_identical_prompts_in_one_batch_share_blocks():
     bm = BlockManager(8, 2)
     a, b = make_seq([1, 2, 3, 4, 5]), make_seq([1, 2, 3, 4, 5])
     bm.allocate(a)
+    bm.schedule_chunk(a, a.num_tokens)
     bm.allocate(b)  # same step: b reads the two full blocks a computes in it
+    bm.schedule_chunk(b, b.num_tokens - b.num_prefix_hit_tokens)
     assert list(b.block_table)[:2] == list(a.block_table)[:2]
     assert b.block_table[2] != a.block_table[2]  # the last token is always computed
     assert b.num_prefix_hit_tokens == 4

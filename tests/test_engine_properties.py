@@ -14,6 +14,8 @@ and produced what a synchronous reference run with an ample cache and no aborts 
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -79,6 +81,7 @@ class Workload:
     delays: list[int]  # polls an asynchronous compaction batch stays in flight
     max_num_batched_tokens_extra: int
     requests: list[Request] = field(default_factory=list)
+    chunk: int | None = None  # chunked prefill with this token budget per step; None: whole prompts
 
     @property
     def max_model_len(self) -> int:
@@ -173,7 +176,8 @@ def workloads(draw, compress: bool | None = None) -> Workload:
                     prefix_caching=draw(st.integers(0, 3)) != 0, async_scheduling=draw(st.booleans()),
                     compression=compression, query_slots=M,
                     delays=draw(st.lists(st.integers(0, 3), min_size=1, max_size=3)),
-                    max_num_batched_tokens_extra=draw(st.integers(0, 40)), requests=reqs)
+                    max_num_batched_tokens_extra=draw(st.integers(0, 40)), requests=reqs,
+                    chunk=draw(st.one_of(st.none(), st.integers(1, 3 * bs), st.integers(1, 40))))
 
 
 # -- driving the engine --------------------------------------------------------------------------
@@ -214,8 +218,9 @@ def build_engine(model_dir: str, workload: Workload, async_scheduling: bool, num
     config = EngineConfig.from_kwargs(
         model_dir, device="cpu", seed=0, block_size=workload.block_size, max_model_len=workload.max_model_len,
         max_num_seqs=workload.max_num_seqs, enable_prefix_caching=workload.prefix_caching,
-        max_num_batched_tokens=workload.max_model_len + workload.max_num_batched_tokens_extra,
-        async_scheduling=async_scheduling,
+        max_num_batched_tokens=(workload.chunk if workload.chunk is not None
+                                else workload.max_model_len + workload.max_num_batched_tokens_extra),
+        enable_chunked_prefill=workload.chunk is not None, async_scheduling=async_scheduling,
         compression=CompressionConfig(**workload.compression) if workload.compression else None)
     runner = CheckingRunner(config, num_blocks, workload.query_slots, compression_delays=workload.delays)
     engine = LLMEngine(config, runner=runner)
@@ -316,7 +321,9 @@ def run(model_dir: str, workload: Workload, *, async_scheduling: bool, num_block
 
 
 def reference(model_dir: str, workload: Workload) -> dict[str, tuple]:
-    """The synchronous engine with a cache for everything, no aborts and no streaming."""
+    """The synchronous engine with a cache for everything, whole-prompt prefills, no aborts and
+    no streaming."""
+    workload = dataclasses.replace(workload, chunk=None)
     outputs, _, _ = run(model_dir, workload, async_scheduling=False, num_blocks=workload.ample_blocks(),
                         aborts=False, streams=False, check=False)
     return {r.rid: outputs.result(r.rid) for r in workload.requests}
@@ -352,6 +359,10 @@ def test_engine_loop_keeps_its_invariants_and_matches_the_synchronous_engine(mod
 def record_events(workload: Workload, outputs: Outputs, engine, runner) -> None:
     """What an example exercised (``--hypothesis-show-statistics``)."""
     event("asynchronous scheduling" if workload.async_scheduling else "synchronous scheduling")
+    if workload.chunk is not None:
+        event("chunked prefill")
+        if any(len(r.prompt) > workload.chunk for r in workload.requests):
+            event("a prompt in several chunks")
     if engine.scheduler.num_preemptions:
         event("preempted")
     if any(incarnation for _, incarnation, _ in runner.pooled):

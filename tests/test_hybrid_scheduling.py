@@ -80,7 +80,7 @@ class HybridEngine:
         comp = CompressionConfig(max_blocks_per_seq=max_blocks_per_seq, window=window, hybrid=hybrid,
                                  asynchronous=asynchronous, max_blocks_per_compression=max_blocks_per_compression)
         comp.resolve(block_size)
-        config = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        config = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, enable_chunked_prefill=False,
                                  max_num_batched_tokens=max_num_batched_tokens)
         config.resolve(max_model_len)
         # Without hybrid scheduling every running request holds a slot (as the engine sizes it).
@@ -161,7 +161,7 @@ class HybridEngine:
         self._forward(batch)
         sched, bm = self.sched, self.bm
         for seq in batch.seqs:  # LLMEngine.step's order
-            bm.cache_step(seq, batch.is_prefill)
+            bm.cache_step(seq)
             seq.token_ids.append(fake_token(seq.request_id, seq.num_tokens))
             bm.register_computed(seq, len(seq.token_ids) - 1)
             if seq.num_output_tokens >= seq.max_tokens:
@@ -236,7 +236,7 @@ class HybridEngine:
             assert not batch.preempted and not batch.compressions
             slotless_seen = False
             for seq in seqs:
-                assert seq.kv_len == 0 and len(seq.block_table) == -(-seq.num_tokens // self.bs)
+                assert seq.kv_len == seq.num_prefix_hit_tokens and len(seq.block_table) == -(-seq.num_tokens // self.bs)
                 if seq.query_slot is None:
                     # Admitted without a free slot: only if it can decode without one.
                     assert self.hybrid and seq.num_tokens < self.slotless_limit, f"{seq} admitted without a slot"
@@ -767,7 +767,7 @@ def test_asynchronous_compaction_skips_decodes_and_defers_release():
 def test_scheduler_alone_keeps_a_compressing_request_out_until_its_compaction_is_done():
     comp = CompressionConfig(max_blocks_per_seq=2, window=2, asynchronous=True)
     comp.resolve(4)
-    config = SchedulerConfig(max_num_seqs=2, max_model_len=64)
+    config = SchedulerConfig(max_num_seqs=2, max_model_len=64, enable_chunked_prefill=False)
     config.resolve(64)
     bm = BlockManager(8, 4, True, min_recomputed_tokens=2)
     sched = Scheduler(config, bm, comp, num_query_slots=2)
@@ -779,7 +779,7 @@ def test_scheduler_alone_keeps_a_compressing_request_out_until_its_compaction_is
     sched.add(a), sched.add(b)
     batch = sched.schedule()
     for seq in batch.seqs:
-        bm.cache_step(seq, is_prefill=True)
+        bm.cache_step(seq)
         seq.token_ids.append(0)
         bm.register_computed(seq, len(seq.token_ids) - 1)
     source = list(a.block_table)
@@ -792,7 +792,7 @@ def test_scheduler_alone_keeps_a_compressing_request_out_until_its_compaction_is
     free_before = bm.num_free_blocks
     for _ in range(3):
         for seq in batch.seqs:
-            bm.cache_step(seq, is_prefill=False)
+            bm.cache_step(seq)
             seq.token_ids.append(0)
         batch = sched.schedule()
         assert batch.seqs == [b] and not batch.compressions
@@ -927,7 +927,7 @@ def test_a_request_already_placed_in_the_step_is_never_preempted():
     # preempting A, already in the step, would run A's forward on freed blocks.
     comp = CompressionConfig(max_blocks_per_seq=3, window=2, hybrid=False, asynchronous=False)
     comp.resolve(4)
-    config = SchedulerConfig(max_num_seqs=3, max_model_len=64)
+    config = SchedulerConfig(max_num_seqs=3, max_model_len=64, enable_chunked_prefill=False)
     config.resolve(64)
     bm = BlockManager(3, 4, False, min_recomputed_tokens=2)
     sched = Scheduler(config, bm, comp, num_query_slots=3)

@@ -184,7 +184,7 @@ class ScriptedRunner:
         if async_callback is not None:
             async_callback()
         return [self.script[s.num_output_tokens] if s.num_output_tokens < len(self.script) else self.eos_id
-                for s in seqs]
+                for s in seqs if s.samples]
 
     def forget(self, seqs):
         pass

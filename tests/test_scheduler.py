@@ -30,10 +30,12 @@ def fake_token(request_id: str, position: int, vocab: int = 3) -> int:
 
 class FakeEngine:
     def __init__(self, num_blocks, block_size, max_num_seqs, max_model_len, max_num_batched_tokens=None,
-                 prefix_caching=True):
+                 prefix_caching=True, chunked=False):
+        """``chunked``: chunked prefill (the engine's default); the structural checks of the steps
+        below are those of whole-prompt prefills unless it is set."""
         assert max_model_len <= num_blocks * block_size  # as LLMEngine guarantees
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                 max_model_len=max_model_len)
+                                 max_model_len=max_model_len, enable_chunked_prefill=chunked)
         config.resolve(max_model_len)
         self.config = config
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
@@ -66,7 +68,9 @@ class FakeEngine:
             return None
         assert len({id(s) for s in batch.seqs}) == len(batch.seqs), "a sequence twice in one batch"
         assert len(sched.running) <= self.config.max_num_seqs
-        if batch.is_prefill:
+        if self.config.enable_chunked_prefill:
+            self._check_mixed(batch, running_before)
+        elif batch.is_prefill:
             self._check_prefill(batch, waiting_before, running_before)
         else:
             # Decode only when admission is impossible (prefill goes first).
@@ -76,7 +80,9 @@ class FakeEngine:
                              [s.request_id for s in batch.preempted], batch.num_tokens))
         self._run(batch)
         for seq in batch.seqs:  # LLMEngine.step's order
-            seq.kv_len = seq.num_tokens if batch.is_prefill else seq.kv_len + 1
+            bm.cache_step(seq)
+            if not seq.samples:
+                continue  # an earlier chunk of its prompt: no token
             bm.register_computed(seq, seq.kv_len)
             seq.token_ids.append(fake_token(seq.request_id, seq.num_tokens))
             if seq.num_output_tokens >= seq.max_tokens:
@@ -114,14 +120,15 @@ class FakeEngine:
     def _run(self, batch) -> None:
         # As in a forward: every layer stores the whole step's KV before attention reads it.
         for seq in batch.seqs:
-            if batch.is_prefill:
-                for pos in range(seq.num_prefix_hit_tokens, seq.num_tokens):
+            if seq.chunk is not None:
+                start, n = seq.chunk
+                for pos in range(start, start + n):
                     self._write(seq, pos)
             else:
                 self._write(seq, seq.kv_len)
-        if batch.is_prefill:
-            for seq in batch.seqs:
-                self._check_kv(seq, seq.num_tokens)  # the prefix cache served real content
+        for seq in batch.seqs:
+            if seq.chunk is not None:
+                self._check_kv(seq, sum(seq.chunk))  # the prefix cache and earlier chunks served real content
 
     # -- checks -------------------------------------------------------------
     def _check_kv(self, seq: Sequence, upto: int) -> None:
@@ -142,7 +149,8 @@ class FakeEngine:
         assert n == 1 or batch.num_tokens <= self.config.max_num_batched_tokens
         for seq in batch.seqs:
             assert seq.status is SequenceStatus.RUNNING
-            assert seq.kv_len == 0 and len(seq.block_table) == -(-seq.num_tokens // bs)
+            assert seq.chunk == (seq.num_prefix_hit_tokens, seq.num_tokens - seq.num_prefix_hit_tokens)
+            assert seq.kv_len == seq.num_prefix_hit_tokens and len(seq.block_table) == -(-seq.num_tokens // bs)
             assert seq.num_prefix_hit_tokens % bs == 0 and seq.num_prefix_hit_tokens < seq.num_tokens
 
     def _check_decode(self, batch, running_before, waiting_before, free_before, needing) -> None:
@@ -162,6 +170,28 @@ class FakeEngine:
             assert seq.kv_len == seq.num_tokens - 1
             assert len(seq.block_table) * bs >= seq.kv_len + 1, "no slot for the next token"
 
+    def _check_mixed(self, batch, running_before) -> None:
+        """Chunked prefill: decodes first, then chunks within the token budget, each going on
+        from where its prompt stopped; every running request not prefilling decodes unless it
+        waits for blocks."""
+        bs, budget = self.bm.block_size, self.config.max_num_batched_tokens
+        decodes = [s for s in batch.seqs if s.chunk is None]
+        chunks = batch.seqs[len(decodes):]
+        assert batch.seqs[:len(decodes)] == decodes, "decodes come before prompt chunks"
+        assert batch.is_prefill == bool(chunks)
+        assert not chunks or batch.num_tokens <= max(budget, len(decodes)), "chunks beyond the token budget"
+        for seq in chunks:
+            start, n = seq.chunk
+            assert n >= 1 and start + n == seq.num_computed <= len(seq.token_ids)
+            assert start >= seq.num_prefix_hit_tokens and seq.kv_len == start
+            assert seq.prefilling == (seq.num_computed < len(seq.token_ids))
+            assert len(seq.block_table) == -(-seq.num_tokens // bs), "blocks for the whole prompt at admission"
+        for seq in decodes:
+            assert not seq.prefilling and seq.kv_len == seq.num_tokens - 1
+        started = [s for s in running_before if s.prefilling and s.status is SequenceStatus.RUNNING]
+        if started and batch.num_tokens < budget:  # prompts already started go on before new ones
+            assert all(s in chunks for s in started)
+
     def check_state(self) -> None:
         bm, sched = self.bm, self.scheduler
         running, waiting = sched.running, list(sched.waiting)
@@ -171,7 +201,10 @@ class FakeEngine:
         holders = [0] * bm.num_blocks
         for seq in running:
             assert seq.status is SequenceStatus.RUNNING
-            assert seq.kv_len == seq.num_tokens - 1
+            if seq.prefilling:
+                assert seq.kv_len == seq.num_computed < seq.num_tokens
+            else:
+                assert seq.kv_len == seq.num_tokens - 1
             assert len(seq.block_table) * bm.block_size >= seq.kv_len
             table = list(seq.block_table)
             assert len(set(table)) == len(table)
@@ -351,7 +384,8 @@ def workloads(draw):
         num_blocks = -(-2 // block_size)
         max_model_len = 2
     max_num_seqs = draw(st.integers(1, 4))
-    max_num_batched_tokens = draw(st.integers(max_model_len, 2 * max_model_len))
+    chunked = draw(st.booleans())
+    max_num_batched_tokens = draw(st.integers(1 if chunked else max_model_len, 2 * max_model_len))
     prefix_caching = draw(st.booleans())
     prefixes = [draw(st.lists(st.integers(0, 2), min_size=1, max_size=max_model_len - 1)) for _ in range(2)]
     requests = []
@@ -368,7 +402,7 @@ def workloads(draw):
         requests.append((arrival, f"q{i}", prompt, max_tokens))
     return dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                prefix_caching=prefix_caching), requests
+                prefix_caching=prefix_caching, chunked=chunked), requests
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -376,19 +410,27 @@ def workloads(draw):
 def test_random_workloads_finish_without_deadlock(workload):
     engine_args, requests = workload
     eng = FakeEngine(**engine_args)
-    # Every step produces at least one token and none is ever lost (recompute keeps them),
-    # so the loop ends within sum(max_tokens) busy steps plus the idle ones before arrivals.
+    # Without chunks every step produces at least one token and none is ever lost (recompute
+    # keeps them), so the loop ends within sum(max_tokens) busy steps plus the idle ones before
+    # arrivals. A step of chunks alone produces no token; each prefill takes at most as many
+    # chunks as it has tokens, and a request is prefilled at most once per token it produces.
     bound = sum(r[3] for r in requests) + max(r[0] for r in requests) + 1
+    if engine_args["chunked"]:
+        bound += sum((len(r[2]) + r[3]) * (r[3] + 1) for r in requests)
     eng.run(requests, max_steps=bound)
     eng.check_done()
 
 
+@pytest.mark.parametrize("chunk", [None, 3])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_heavy_contention_stays_consistent(prefix_caching):
-    """Many long requests with a shared prefix on a pool that fits barely one of them."""
-    eng = FakeEngine(num_blocks=6, block_size=2, max_num_seqs=4, max_model_len=12, prefix_caching=prefix_caching)
+def test_heavy_contention_stays_consistent(prefix_caching, chunk):
+    """Many long requests with a shared prefix on a pool that fits barely one of them
+    (whole prompts, or chunks of 3 tokens)."""
+    eng = FakeEngine(num_blocks=6, block_size=2, max_num_seqs=4, max_model_len=12, prefix_caching=prefix_caching,
+                     max_num_batched_tokens=chunk, chunked=chunk is not None)
     shared = [1, 2, 1, 2]
     arrivals = [(i % 3, f"h{i}", shared + [i % 3] * (i % 4 + 1), 12) for i in range(10)]
-    eng.run(arrivals, max_steps=sum(12 - len(a[2]) for a in arrivals) + 10)
+    eng.run(arrivals, max_steps=(sum(12 - len(a[2]) for a in arrivals) + 10) * (1 if chunk is None else 12))
     eng.check_done()
-    assert eng.scheduler.num_preemptions > 0
+    # (With chunks of 3 the decodes leave little budget for admissions: fewer requests contend.)
+    assert chunk is not None or eng.scheduler.num_preemptions > 0

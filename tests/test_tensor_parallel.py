@@ -6,10 +6,15 @@ single-process result (computed before the processes start): each sharded layer
 type alone, then the whole decoder forward of tiny checkpoints, one of them with
 fewer KV heads than ranks (replicated).
 
+Step ring (``runner/step_channel.py``, one process): every field of a step and every
+command comes back in order, a step larger than a slot is refused before anything is
+written, and a writer whose reader is gone fails instead of waiting.
+
 Engine: ``LLM(..., tensor_parallel_size=2)`` in a subprocess (rank 0, which starts
 its follower) gives the greedy tokens of size 1, with full KV and with
-compression (asynchronous and synchronous). Every wait is bounded, so a hung
-process fails the test instead of hanging it.
+compression (asynchronous and synchronous), with asynchronous (launch-ahead)
+scheduling and without; every block is free again at the end. Every wait is
+bounded, so a hung process fails the test instead of hanging it.
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ import tempfile
 import time
 import traceback
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from zipage.utils.checkpoint import make_checkpoint
 
@@ -189,6 +198,178 @@ def test_sharded_matches_unsharded(verdicts, key):
         assert verdicts[rank][key] == "ok", f"rank {rank}: {verdicts[rank][key]}"
 
 
+# -- the step ring: rank 0's commands to the followers, through shared memory ----------
+def _ring(num_slots: int, slot_bytes: int):
+    """A channel with one reader, both in this process (the pipe for large payloads too)."""
+    from zipage.runner.step_channel import StepChannel
+
+    ctx = mp.get_context("spawn")
+    channel = StepChannel(ctx, 1, num_slots=num_slots)
+    reader = channel.reader(0)
+    ours, theirs = ctx.Pipe()
+    channel.open(slot_bytes, [ours])
+    reader.attach(theirs)
+    return channel, reader, (ours, theirs)
+
+
+def _close_ring(channel, reader, pipes) -> None:
+    reader.close()
+    channel.close()
+    for conn in pipes:
+        conn.close()
+
+
+def _read(reader) -> dict:
+    """The next message, copied out of its slot (which is released)."""
+    message = reader.receive(alive=lambda: True, poll_s=0.1)
+    assert message is not None
+    got = dict(seq=message.seq, command=message.command, shape=message.shape, share_tokens=message.share_tokens,
+               payload=message.payload, arrays={k: v.copy() for k, v in message.arrays.items()})
+    reader.release()
+    return got
+
+
+def _shape_strategy():
+    """Any ``StepShape`` (its fields read from the class, so new ones are covered)."""
+    from dataclasses import fields
+
+    from zipage.runner.inputs import StepShape
+
+    return st.builds(StepShape, **{f.name: st.booleans() if f.type in ("bool", bool) else st.integers(-1, 1 << 40)
+                                   for f in fields(StepShape)})
+
+
+_ARRAY_NAMES = ["input_ids", "positions", "slot_mapping", "block_tables", "cu_seqlens", "pending_rows"]
+# int32 / int64, one or two dimensions; a column slice of a 2-D one is not contiguous (block table rows in use)
+_RING_ARRAYS = st.tuples(hnp.arrays(st.sampled_from([np.int32, np.int64]),
+                                    hnp.array_shapes(min_dims=1, max_dims=2, min_side=0, max_side=24)),
+                         st.booleans()).map(lambda t: t[0][:, ::2] if t[1] and t[0].ndim == 2 else t[0])
+_RING_STEPS = st.builds(lambda shape, arrays, share: ("step", shape, arrays, share), _shape_strategy(),
+                        st.dictionaries(st.sampled_from(_ARRAY_NAMES), _RING_ARRAYS, max_size=5), st.booleans())
+# payloads of other commands: small ones go in the slot, ones above a slot through the pipe
+_RING_COMMANDS = st.builds(lambda command, payload: (command, None, None, payload),
+                           st.sampled_from(["compress", "start_compression", "collect_compression", "close"]),
+                           st.one_of(st.none(), st.lists(st.integers(), max_size=8),
+                                     st.integers(0, 4000).map(lambda n: np.arange(n, dtype=np.uint8).tobytes())))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches=st.lists(st.lists(st.one_of(_RING_STEPS, _RING_COMMANDS), min_size=1, max_size=3), min_size=1,
+                        max_size=5))
+def test_step_ring_round_trips_messages_in_order(batches):
+    """Steps (every StepShape field, every array) and pickled commands come back as sent, in
+    order, however they interleave; a step larger than a slot is refused and leaves the ring
+    as it was."""
+    from zipage.runner.step_channel import ALIGN, HEADER_BYTES, Message
+
+    slot_bytes = HEADER_BYTES + 2048
+    channel, reader, pipes = _ring(num_slots=3, slot_bytes=slot_bytes)
+    try:
+        seq = 0
+        for batch in batches:  # at most num_slots unread at a time: one thread writes and reads
+            sent = []
+            for command, shape, arrays, extra in batch:
+                if shape is None:
+                    channel.send(Message(command, payload=extra))
+                    sent.append(dict(seq=seq, command=command, shape=None, share_tokens=False, payload=extra,
+                                     arrays={}))
+                    seq += 1
+                    continue
+                needed = HEADER_BYTES + sum(-(-a.nbytes // ALIGN) * ALIGN for a in arrays.values())
+                if needed > slot_bytes:
+                    with pytest.raises(ValueError, match="more than a step-ring slot holds"):
+                        channel.send(Message(command, shape, arrays, share_tokens=extra))
+                    continue
+                channel.send(Message(command, shape, arrays, share_tokens=extra))
+                sent.append(dict(seq=seq, command=command, shape=shape, share_tokens=extra, payload=None,
+                                 arrays=arrays))
+                seq += 1
+            for expected in sent:
+                got = _read(reader)
+                arrays, got_arrays = expected.pop("arrays"), got.pop("arrays")
+                assert got == expected
+                assert list(got_arrays) == list(arrays)
+                for name, array in arrays.items():
+                    assert got_arrays[name].dtype == array.dtype and np.array_equal(got_arrays[name], array), name
+    finally:
+        _close_ring(channel, reader, pipes)
+
+
+@pytest.mark.parametrize("is_prefill", [True, False])
+def test_step_ring_carries_the_largest_step_of_a_builder(is_prefill):
+    """A slot sized by ``slot_bytes_for`` holds a step that fills every buffer the input builder
+    exports, and the pending rows; loaded into a follower's builder, every array of the step is
+    rank 0's."""
+    from zipage.runner.inputs import InputBuilder, StepShape
+    from zipage.runner.step_channel import Message, slot_bytes_for
+
+    def builder():
+        return InputBuilder(torch.device("cpu"), block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                            max_table_blocks=16, window=4, num_query_slots=3)
+
+    sender, follower = builder(), builder()
+    rng = np.random.default_rng(0)
+    for buf in vars(sender).values():
+        if hasattr(buf, "np"):
+            buf.np[...] = rng.integers(0, 1000, buf.np.shape)
+    shape = StepShape(is_prefill, num_seqs=8, num_tokens=64 if is_prefill else 8, width=16, max_seqlen_q=8,
+                      max_seqlen_k=128, has_cached_prefix=True)
+    if "num_sampled" in StepShape.__dataclass_fields__:  # chunked prefill: the rows that sample
+        shape = StepShape(**{**shape.__dict__, "num_sampled": 8})
+    arrays = sender.export(shape)
+    arrays["pending_rows"] = rng.integers(-1, 8, 8)
+    channel, reader, pipes = _ring(num_slots=2, slot_bytes=slot_bytes_for(sender, arrays["pending_rows"].nbytes))
+    try:
+        channel.send(Message("step", shape, arrays, share_tokens=True))
+        got = _read(reader)
+        assert got["shape"] == shape and got["share_tokens"]
+        follower.load(got["shape"], got["arrays"])
+        for name, (buf, sizes) in sender._buffers(shape).items():
+            region = tuple(slice(0, n) for n in sizes)
+            assert np.array_equal(getattr(follower, name).np[region], buf.np[region]), name
+        assert np.array_equal(got["arrays"]["pending_rows"], arrays["pending_rows"])
+    finally:
+        _close_ring(channel, reader, pipes)
+
+
+def test_step_ring_refuses_a_step_larger_than_a_slot():
+    from zipage.runner.inputs import StepShape
+    from zipage.runner.step_channel import HEADER_BYTES, Message
+
+    channel, reader, pipes = _ring(num_slots=2, slot_bytes=HEADER_BYTES + 1024)
+    shape = StepShape(True, 2, 200, 4, 100, 100, False)
+    try:
+        channel.send(Message("step", shape, {"input_ids": np.arange(100)}))  # 800 bytes: fits
+        with pytest.raises(ValueError, match=r"a step of 2 requests and 200 tokens needs \d+ bytes, more than "
+                                             r"a step-ring slot holds \(\d+\); its arrays: input_ids \(200,\)"):
+            channel.send(Message("step", shape, {"input_ids": np.arange(200)}))
+        channel.send(Message("compress", payload=[1, 2, 3]))
+        first, second = _read(reader), _read(reader)  # the refused step wrote nothing
+        assert np.array_equal(first["arrays"]["input_ids"], np.arange(100)) and first["seq"] == 0
+        assert second["command"] == "compress" and second["payload"] == [1, 2, 3] and second["seq"] == 1
+    finally:
+        _close_ring(channel, reader, pipes)
+
+
+def test_step_ring_writer_fails_when_its_reader_is_gone():
+    """A full ring whose reader no longer reads fails the send (no wait forever)."""
+    from zipage.runner.step_channel import HEADER_BYTES, Message
+
+    channel, reader, pipes = _ring(num_slots=1, slot_bytes=HEADER_BYTES + 256)
+    try:
+        channel.send(Message("collect_compression"))
+        with pytest.raises(TimeoutError, match="left 1 messages unread"):
+            channel.send(Message("collect_compression"), timeout_s=0.2)
+        channel._alive = lambda index: False
+        with pytest.raises(RuntimeError, match="rank 1 is gone"):
+            channel.send(Message("collect_compression"))
+        assert _read(reader)["seq"] == 0  # the failed sends posted nothing
+        channel.send(Message("close"))
+        assert _read(reader)["seq"] == 1
+    finally:
+        _close_ring(channel, reader, pipes)
+
+
 # -- the engine: tensor_parallel_size=2 (gloo) gives the tokens of size 1 --------------
 BLOCK = 16
 # ZIPAGE_TEST_DEVICE=cuda runs the engine checks on GPUs 0 and 1 (NCCL, CUDA graphs)
@@ -196,11 +377,15 @@ ENGINE_DEVICE = os.environ.get("ZIPAGE_TEST_DEVICE", "cpu")
 # On GPUs each of the three engines compiles its fused kernels and captures its graphs in both
 # processes, so the bound is wider there (ZIPAGE_TP_TIMEOUT_S overrides it).
 ENGINE_TIMEOUT_S = float(os.environ.get("ZIPAGE_TP_TIMEOUT_S", 180 if ENGINE_DEVICE == "cpu" else 420))
-# variant -> compression settings (None: full KV)
+# variant -> (compression settings or None for full KV, asynchronous scheduling). Asynchronous
+# (launch-ahead) scheduling is the default: at size 2 the followers take the pending tokens
+# from rank 0's broadcast. The compressed ones (a 3-block budget for 40-token prompts and 70
+# output tokens) compress every request several times between steps.
 ENGINE_VARIANTS = {
-    "full-kv": None,
-    "compressed-async": dict(max_blocks_per_seq=3, asynchronous=True),
-    "compressed-sync": dict(max_blocks_per_seq=3, asynchronous=False),
+    "full-kv": (None, True),
+    "compressed-async": (dict(max_blocks_per_seq=3, asynchronous=True), True),
+    "compressed-sync": (dict(max_blocks_per_seq=3, asynchronous=False), True),
+    "full-kv-step-sync": (None, False),
 }
 
 
@@ -210,18 +395,21 @@ def _engine_tokens(model_dir: str, tensor_parallel_size: int, variant: str, log=
     ``log`` hears each stage (built, generated, closed)."""
     from zipage import LLM, CompressionConfig, SamplingParams
 
-    settings = ENGINE_VARIANTS[variant]
+    settings, async_scheduling = ENGINE_VARIANTS[variant]
     compression = CompressionConfig(**settings) if settings else None
     prompts = [list(range(5, 45)), list(range(5, 45)) + [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
     # max_num_seqs=4: three prompts, and few decode graphs to capture on a GPU
     with LLM(model_dir, device=ENGINE_DEVICE, dtype="float32", block_size=BLOCK, max_model_len=256,
              kv_cache_memory_bytes=1 << 22, tensor_parallel_size=tensor_parallel_size, max_num_seqs=4,
-             compression=compression) as llm:
+             compression=compression, async_scheduling=async_scheduling) as llm:
         log("built")
+        assert llm.engine.async_scheduling == async_scheduling  # the runner supports it at every size
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True),
                                use_tqdm=False)
         log("generated")
         assert (llm.stats.num_compressions > 0) == (compression is not None)
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks still held"
     log("closed")
     return [o.outputs[0].token_ids for o in outputs]
 

@@ -359,7 +359,8 @@ class RecordingRunner(ScriptedRunner):
 
     def execute(self, seqs, is_prefill, eos_token_ids, async_callback=None):
         if is_prefill:
-            self.prompts += [list(s.token_ids[:s.num_prompt_tokens]) for s in seqs if s.num_output_tokens == 0]
+            self.prompts += [list(s.token_ids[:s.num_prompt_tokens]) for s in seqs
+                             if s.chunk is not None and s.samples and s.num_output_tokens == 0]
         return super().execute(seqs, is_prefill, eos_token_ids, async_callback)
 
 

@@ -21,6 +21,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before scheduling the next one")
+    g.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt whole, in a step of its own (the default splits prompts into "
+                        "chunks of at most --max-num-batched-tokens, run beside the decoding requests)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
                    help="log probabilities of the model's logits (raw) or of the distribution sampled from "
@@ -63,7 +66,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format,
+                async_scheduling=not args.no_async_scheduling,
+                enable_chunked_prefill=not getattr(args, "no_chunked_prefill", False), seed=args.seed, load_format=args.load_format,
                 tensor_parallel_size=args.tensor_parallel_size, logprobs_mode=args.logprobs_mode,
                 structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
                 kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,

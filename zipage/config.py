@@ -74,15 +74,21 @@ class SchedulerConfig:
     """What runs each step: batch limits and the context limit."""
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: max(8192, max_model_len)
+    # Tokens one step computes. Default: 8192 with chunked prefill, else max(8192, max_model_len).
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # Schedule and launch each step before the previous one's tokens reach the host, so the
-    # host's work hides under the device's (one runner process; tensor parallelism runs in step).
+    # host's work hides under the device's (with tensor parallelism too).
     async_scheduling: bool = True
+    # Prefill prompts in chunks of at most max_num_batched_tokens, in steps that also decode the
+    # running requests (decodes first). Off: a prompt is prefilled whole, in a step of its own.
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self):
         _check(isinstance(self.async_scheduling, bool),
                f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+        _check(isinstance(self.enable_chunked_prefill, bool),
+               f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
         _check(_is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 65536,
                f"max_num_seqs must be an integer in [1, 65536], got {self.max_num_seqs!r}")
         _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
@@ -98,11 +104,11 @@ class SchedulerConfig:
         _check(self.max_model_len <= model_max_len,
                f"max_model_len={self.max_model_len} exceeds the model's limit of {model_max_len} tokens")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(8192, self.max_model_len)
+            self.max_num_batched_tokens = 8192 if self.enable_chunked_prefill else max(8192, self.max_model_len)
         # Without chunked prefill a whole prompt must fit in one step's token budget.
-        _check(self.max_num_batched_tokens >= self.max_model_len,
+        _check(self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len="
-               f"{self.max_model_len} (a prompt is prefilled in one step)")
+               f"{self.max_model_len} without chunked prefill (a prompt is prefilled in one step)")
 
 
 REDUNDANCY_MODES = ("lightning", "raw", "off")

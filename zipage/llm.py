@@ -118,10 +118,10 @@ class LLM:
                     if pending and not finished:
                         raise RuntimeError("the engine has unfinished requests but scheduled nothing")
                     continue
-                if stats.is_prefill:
-                    prefill_rate = stats.num_tokens / elapsed
-                else:
-                    decode_rate = stats.num_tokens / elapsed
+                if stats.is_prefill:  # prompt chunks (beside decodes, with chunked prefill)
+                    prefill_rate = (stats.num_tokens - stats.num_decodes) / elapsed
+                if stats.num_decodes:
+                    decode_rate = stats.num_decodes / elapsed
                 bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s",
                                 refresh=False)
         except BaseException:

@@ -106,7 +106,8 @@ class SimulatedRunner:
         if self.sleep and seconds:
             start = _launch_like_a_device()
             ready_at = self._device_free_at = max(start, self._device_free_at) + seconds
-        return SimulatedStep(list(seqs), self._tokens(len(seqs), eos_token_ids), ready_at)
+        sampled = [seq for seq in seqs if seq.samples]  # an earlier chunk of a prompt yields no token
+        return SimulatedStep(sampled, self._tokens(len(sampled), eos_token_ids), ready_at)
 
     def collect(self, step: SimulatedStep) -> list[int]:
         """The step's tokens, once the device has made them (the wait releases the GIL, as ``.tolist()``)."""
@@ -120,14 +121,19 @@ class SimulatedRunner:
     def _charge(self, seqs, is_prefill: bool) -> float:
         """The step's modelled milliseconds, added to the clock."""
         m = self.model
-        if is_prefill:
-            step = m["p0"] + m["p1"] * sum(seq.num_tokens - seq.num_prefix_hit_tokens for seq in seqs)
-            self.prefill_ms += step
-        else:
-            cached = sum(seq.kv_len + 1 for seq in seqs)
-            step = m["a"] + m["b"] * len(seqs) + m["c"] * cached / 1000 + self.pending_compression_ms
+        decodes = [seq for seq in seqs if seq.chunk is None]
+        step = 0.0
+        if is_prefill:  # prompt chunks (beside the decodes, with chunked prefill)
+            prefill = m["p1"] * sum(seq.chunk[1] for seq in seqs if seq.chunk is not None)
+            prefill += 0.0 if decodes else m["p0"]
+            self.prefill_ms += prefill
+            step += prefill
+        if decodes:
+            cached = sum(seq.kv_len + 1 for seq in decodes)
+            decode = m["a"] + m["b"] * len(decodes) + m["c"] * cached / 1000 + self.pending_compression_ms
             self.pending_compression_ms = 0.0
-            self.decode_ms += step
+            self.decode_ms += decode
+            step += decode
         return step
 
     def _tokens(self, count: int, eos_token_ids) -> list[int]:

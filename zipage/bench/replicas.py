@@ -50,7 +50,8 @@ class ReplicaRunner(SimulatedRunner):
         if is_prefill:
             now = self.clock
             for seq in seqs:
-                self.first_token_at.setdefault(seq.request_id, now)
+                if seq.chunk is not None and seq.samples:  # the last chunk of its prompt
+                    self.first_token_at.setdefault(seq.request_id, now)
         return step
 
 
@@ -141,9 +142,9 @@ def simulate_replicas(mode: str, num_replicas: int, policy: str, args, settings:
             router.finished(r)
         if stats is not None:
             preempted += stats.num_preempted
-            if not stats.is_prefill:
+            if stats.num_decodes:
                 steps += 1
-                batch_sum += stats.num_seqs
+                batch_sum += stats.num_decodes
         if engine.has_unfinished_requests():
             heapq.heappush(busy, (runner.clock, r))
         else:

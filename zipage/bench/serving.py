@@ -102,6 +102,17 @@ def add_serving_parser(sub) -> None:
                           help=f"which runs of each mode, comma-separated from {','.join(SIDES)} (offline-streamed: "
                                "offline with every request streamed, so that the engine detokenizes and emits "
                                "every step's tokens as the server's does)")
+    mixed = p.add_argument_group("long prompts arriving while streams decode (--background)")
+    mixed.add_argument("--background", type=int, default=0,
+                       help="streams of --input-len / --output-len tokens sent at once; once they decode, the "
+                            "--long-prompts arrive. Reports the streams' inter-token latency while the long "
+                            "prompts are prefilled, and the long prompts' time to first token")
+    mixed.add_argument("--long-prompts", default="8192,16384,32768", help="prompt lengths, comma-separated")
+    mixed.add_argument("--long-repeats", type=int, default=2, help="requests of each long prompt length")
+    mixed.add_argument("--long-start", type=float, default=3.0,
+                       help="seconds after the streams start when the first long prompt arrives")
+    mixed.add_argument("--long-rate", type=float, default=0.5, help="long prompts a second (Poisson)")
+    mixed.add_argument("--long-output-len", type=int, default=16)
     p.add_argument("--out", default=None, help="directory for serving.json")
     add_engine_args(p)
     # Their defaults depend on --workload (RANDOM_DEFAULTS without it, the scale's with it).
@@ -131,9 +142,9 @@ async def _one_request(client, url: str, body: dict, start_at: float, t0: float,
     stream has thousands of chunks, and the clients of many streams share one interpreter)."""
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
     sent = time.perf_counter()
-    result = {"ttft": None, "gaps": array("d"), "counts": array("l"), "latency": None, "prompt_tokens": None,
-              "output_tokens": 0, "error": None}
-    gaps, counts = result["gaps"], result["counts"]
+    result = {"ttft": None, "gaps": array("d"), "counts": array("l"), "times": array("d"), "latency": None,
+              "prompt_tokens": None, "output_tokens": 0, "error": None, "sent": sent - t0}
+    gaps, counts, times = result["gaps"], result["counts"], result["times"]
     last, tokens = sent, 0
     try:
         async with client.stream("POST", url, json=body, timeout=timeout) as response:
@@ -152,6 +163,7 @@ async def _one_request(client, url: str, body: dict, start_at: float, t0: float,
                     else:
                         gaps.append((now - last) / new)
                         counts.append(new)
+                        times.append(now - t0)  # when the chunk came, from the run's start
                     tokens, last = usage["completion_tokens"], now
     except Exception as error:  # noqa: BLE001 - a failed request is counted, the run goes on
         result["error"] = f"{type(error).__name__}: {error}"
@@ -175,8 +187,9 @@ async def sse_chunks(response):
             yield json.loads(event[6:])
 
 
-async def run_rate(base_url: str, bodies: list[dict], arrivals, timeout: float, headers: dict) -> dict:
-    """Send ``bodies`` (streamed completions) at ``arrivals`` (seconds from the start); their numbers."""
+async def send_all(base_url: str, bodies: list[dict], arrivals, timeout: float, headers: dict) -> tuple:
+    """Send ``bodies`` (streamed completions) at ``arrivals`` (seconds from the start); (each request's
+    result, seconds from the first send to the last answer, client CPU seconds)."""
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -185,13 +198,26 @@ async def run_rate(base_url: str, bodies: list[dict], arrivals, timeout: float, 
         t0, cpu = time.perf_counter(), time.process_time()
         results = await asyncio.gather(*(_one_request(client, url, body, float(arrival), t0, timeout)
                                          for body, arrival in zip(bodies, arrivals)))
-        duration, cpu = time.perf_counter() - t0, time.process_time() - cpu
+        return results, time.perf_counter() - t0, time.process_time() - cpu
+
+
+def send_all_sync(base_url: str, bodies: list[dict], arrivals, timeout: float, headers: dict) -> tuple:
+    return asyncio.run(send_all(base_url, bodies, arrivals, timeout, headers))
+
+
+def itl_values(results: list[dict]) -> np.ndarray:
+    """Inter-token gaps of ``results``: each chunk's gap once per token it brought."""
+    return np.repeat(np.concatenate([r["gaps"] for r in results] or [[]]),
+                     np.concatenate([r["counts"] for r in results] or [[]]).astype(int))
+
+
+async def run_rate(base_url: str, bodies: list[dict], arrivals, timeout: float, headers: dict) -> dict:
+    """Send ``bodies`` (streamed completions) at ``arrivals`` (seconds from the start); their numbers."""
+    results, duration, cpu = await send_all(base_url, bodies, arrivals, timeout, headers)
     n = len(bodies)
     done = [r for r in results if r["error"] is None]
     output_tokens = sum(r["output_tokens"] for r in done)
-    # ITL: each chunk's gap once per token it brought
-    itl = np.repeat(np.concatenate([r["gaps"] for r in done] or [[]]),
-                    np.concatenate([r["counts"] for r in done] or [[]]).astype(int))
+    itl = itl_values(done)
     return {"num_requests": n, "completed": len(done), "failed": n - len(done),
             "errors": sorted({str(r["error"]) for r in results if r["error"]})[:5],
             "duration_s": duration, "requests_per_s": len(done) / duration,
@@ -247,6 +273,10 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         raise ValueError("--step-model needs --simulated-step")
     if args.workload:
         return run_workload_bench(args)
+    if args.background:
+        from zipage.bench.interference import run_interference_bench
+        vars(args).update({k: v for k, v in RANDOM_DEFAULTS.items() if getattr(args, k) is None})
+        return run_interference_bench(args)
     for name in ("modes", "kv_cache_tokens"):
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} needs --workload")

@@ -114,7 +114,7 @@ def _weight_bytes(model) -> int:
     return total - (embed.numel() * embed.element_size() if embed is not model.lm_head.weight else 0)
 
 
-MODIFIERS = "sync, async, no-hybrid, no-prefix, raw, no-redundancy, eager, step-sync, budget=N, block=N"
+MODIFIERS = "sync, async, no-hybrid, no-prefix, raw, no-redundancy, eager, step-sync, no-chunk, budget=N, block=N"
 
 
 def mode_options(mode: str, args, settings: dict) -> dict:
@@ -129,11 +129,11 @@ def mode_options(mode: str, args, settings: dict) -> dict:
     opts = dict(compress=base == "zipage", asynchronous=asynchronous, hybrid=not args.no_hybrid,
                 prefix_caching=not args.no_prefix_caching, redundancy=args.redundancy,
                 enforce_eager=args.enforce_eager, budget=settings["budget"], block_size=settings["block_size"],
-                async_scheduling=True)
+                async_scheduling=True, chunked_prefill=True)
     flags = {"sync": ("asynchronous", False), "async": ("asynchronous", True), "no-hybrid": ("hybrid", False),
              "no-prefix": ("prefix_caching", False), "raw": ("redundancy", "raw"),
              "no-redundancy": ("redundancy", "off"), "eager": ("enforce_eager", True),
-             "step-sync": ("async_scheduling", False)}
+             "step-sync": ("async_scheduling", False), "no-chunk": ("chunked_prefill", False)}
     for m in modifiers:
         name, _, value = m.partition("=")
         if m in flags:
@@ -193,7 +193,8 @@ def engine_kwargs(mode: str, args, settings: dict, model_dir: str, requests, cac
     kwargs = dict(device=args.device, block_size=opts["block_size"],
                   max_num_seqs=args.max_num_seqs, max_model_len=longest + 1, compression=compression,
                   enable_prefix_caching=opts["prefix_caching"], enforce_eager=opts["enforce_eager"],
-                  async_scheduling=opts["async_scheduling"], seed=args.seed,
+                  async_scheduling=opts["async_scheduling"], enable_chunked_prefill=opts["chunked_prefill"],
+                  seed=args.seed,
                   tensor_parallel_size=args.tensor_parallel_size, trust_remote_code=_trust(args),
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                   quantization=getattr(args, "quantization", None))
@@ -273,6 +274,7 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
             continue
         report.step(now - start, len(finished), stats, engine)
         timeline.append(dict(t=now - start, dt=now - step_start, prefill=stats.is_prefill, seqs=stats.num_seqs,
+                             decodes=stats.num_decodes,
                              tokens=stats.num_tokens, host_s=stats.host_s, compression_s=stats.compression_s,
                              kv_tokens=stats.kv_tokens, running=stats.num_running, waiting=stats.num_waiting,
                              preempted=stats.num_preempted,
@@ -328,7 +330,7 @@ class Progress:
 
     def step(self, t: float, finished: int, stats, engine) -> None:
         self.finished += finished
-        self.tokens += stats.num_tokens if not stats.is_prefill else 0
+        self.tokens += stats.num_decodes
         self.preempted += stats.num_preempted
         if not self.every or t - self.last_t < self.every:
             return
@@ -411,7 +413,7 @@ def plot(results: dict, path: str, title: str) -> None:
         if not timeline:
             continue
         t = [s["t"] for s in timeline]
-        produced = [s["seqs"] for s in timeline]  # one token per request per step
+        produced = [s["decodes"] for s in timeline]  # one token per decoding request per step
         line, = axes[0].plot(t, [n / s["dt"] if s["dt"] > 0 else 0.0 for n, s in zip(produced, timeline)],
                              linewidth=0.5, alpha=0.25)
         axes[0].plot(t, rolling_rate(t, produced, window), color=line.get_color(), linewidth=2.0,

@@ -152,19 +152,32 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         seq.num_prefix_hit_tokens = len(cached) * self.block_size
         seq.num_registered_blocks = len(cached)
-        # The full blocks this prefill computes are cached now, so that requests admitted in
-        # the same step share them: every layer stores the step's KV before attention reads it.
-        self._register(seq, seq.num_tokens // self.block_size, provisional=True)
+        seq.kv_len = seq.num_computed = seq.num_prefix_hit_tokens
+        seq.prefilling = True
         self.prefix_hit_tokens += seq.num_prefix_hit_tokens
         self.prefix_query_tokens += seq.num_tokens
+
+    def schedule_chunk(self, seq: Sequence, num_tokens: int) -> None:
+        """The step being built computes the next ``num_tokens`` of ``seq``'s prompt (allocated).
+
+        The full blocks the chunk completes are cached now, so that requests admitted in the
+        same step share them: every layer stores the step's KV before attention reads it. Blocks
+        of later chunks are not: their KV does not exist yet."""
+        start = seq.num_computed
+        assert 0 < num_tokens <= len(seq.token_ids) - start, f"{seq}: a chunk of {num_tokens} tokens from {start}"
+        seq.chunk = (start, num_tokens)
+        seq.num_computed = start + num_tokens
+        seq.prefilling = seq.num_computed < len(seq.token_ids)
+        self._register(seq, seq.num_computed // self.block_size, provisional=True)
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; unreferenced blocks return to the pool."""
         # Tail first, so the pool reuses a request's tail before its (shareable) head.
         self.release(seq.block_table.array().tolist()[::-1])
         seq.block_table.clear()
-        seq.kv_len = 0
+        seq.kv_len = seq.num_computed = 0
         seq.num_registered_blocks = 0
+        seq.prefilling, seq.chunk = False, None
 
     def needs_block(self, seq: Sequence) -> bool:
         """Whether the next token of ``seq`` starts a new block."""
@@ -178,10 +191,10 @@ class BlockManager:
         if self.needs_block(seq):
             seq.block_table.append(self._take_free_block())
 
-    def cache_step(self, seq: Sequence, is_prefill: bool) -> None:
+    def cache_step(self, seq: Sequence) -> None:
         """A step that computes ``seq``'s tokens was launched: count their KV as cached
-        (a prefill: every token on the host; a decode: the one input token)."""
-        seq.kv_len = len(seq.token_ids) if is_prefill else seq.kv_len + 1
+        (a prefill chunk's tokens, or a decode's one input token)."""
+        seq.kv_len += seq.chunk[1] if seq.chunk is not None else 1
 
     # -- compaction (compression) -----------------------------------------
     def _fresh_targets_needed(self, seq: Sequence, num_targets: int) -> int:

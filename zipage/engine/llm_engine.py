@@ -40,7 +40,7 @@ OCCUPANCY_STEPS = 10_000  # steps whose occupancy ``EngineStats`` keeps (the mos
 
 @dataclass
 class StepStats:
-    is_prefill: bool
+    is_prefill: bool  # the step computes prompt tokens (with chunked prefill, beside decodes)
     num_seqs: int
     num_tokens: int  # tokens computed this step
     num_preempted: int
@@ -48,6 +48,7 @@ class StepStats:
     num_running: int = 0  # running requests once the step was scheduled
     num_waiting: int = 0  # requests waiting (new or preempted) once the step was scheduled
     kv_tokens: int = 0  # decode: cached tokens the step's attention read (the sum of context lengths)
+    num_decodes: int = 0  # requests that decode in the step (the others compute prompt chunks)
     compression_s: float = 0.0  # wall time of this step's (synchronous) compression
     host_s: float = 0.0  # CPU time of the step outside the model and sampler (scheduling, inputs, outputs)
 
@@ -71,8 +72,9 @@ class InFlightStep:
     """A step on the device whose tokens are not read yet (asynchronous scheduling)."""
 
     handle: object  # the runner's
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # every request the step computes for
     cache_entries: list  # provisional prefix-cache entries its prefill made
+    sampled: list[Sequence]  # those it samples a token for, in the order of its tokens
 
 
 class LLMEngine:
@@ -301,7 +303,8 @@ class LLMEngine:
             return self._take_outputs(), None
         stats = StepStats(batch.is_prefill, len(batch.seqs), batch.num_tokens, len(batch.preempted),
                           num_compressed=len(batch.compressions), num_running=len(self.scheduler.running),
-                          num_waiting=len(self.scheduler.waiting))
+                          num_waiting=len(self.scheduler.waiting),
+                          num_decodes=sum(seq.chunk is None for seq in batch.seqs))
         scheduled = time.perf_counter()
         self._launch_compressions(batch)
         stats.compression_s = time.perf_counter() - scheduled
@@ -372,9 +375,10 @@ class LLMEngine:
         except Exception as error:  # noqa: BLE001 - contained to the step's requests
             self._fail(batch.seqs, batch.cache_entries, error, self._step_name(batch))
             return 0.0
+        sampled = batch.sampled
         self._count_launched(batch, stats)
         finished_at = time.perf_counter()
-        self._append_tokens(batch.seqs, token_ids)
+        self._append_tokens(sampled, token_ids)
         return time.perf_counter() - finished_at
 
     def _run_ahead(self, batch: ScheduledBatch, stats: StepStats, async_callback) -> float:
@@ -403,7 +407,7 @@ class LLMEngine:
             if self._launched is not None:  # a request this schedule preempted may hold a token of it, and be
                 self._collect_launched()  # readmitted (prefilled from all its tokens) by the next schedule
             return handed_out
-        self._launched = InFlightStep(handle, batch.seqs, batch.cache_entries)
+        self._launched = InFlightStep(handle, batch.seqs, batch.cache_entries, batch.sampled)
         self._count_launched(batch, stats)
         if async_callback is not None:
             async_callback()
@@ -431,10 +435,12 @@ class LLMEngine:
         """
         wait = False
         for seq in batch.seqs:
-            self.block_manager.cache_step(seq, batch.is_prefill)
+            self.block_manager.cache_step(seq)
+            if not seq.samples:
+                continue  # an earlier chunk of its prompt
             seq.num_pending += 1
             wait = wait or seq.num_output_tokens >= seq.max_tokens
-            if batch.is_prefill:
+            if seq.chunk is not None:
                 if seq.num_output_tokens == 1:
                     seq.metrics.num_cached_prompt_tokens = seq.num_prefix_hit_tokens
             else:
@@ -467,7 +473,7 @@ class LLMEngine:
             return
         finally:
             self._waited_s += time.perf_counter() - waiting
-        self._append_tokens(launched.seqs, token_ids)
+        self._append_tokens(launched.sampled, token_ids)
 
     def _append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> None:
         """Give each request its sampled token (and its log probabilities, where asked: the

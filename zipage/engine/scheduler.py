@@ -1,9 +1,13 @@
 """What runs each step: admission (prefill), decode, compression, preemption.
 
 The scheduler decides *which* requests run; the block manager decides *where*
-their KV lives. A step is either one batched prefill of newly admitted requests
-or one decode step of the running requests (prefill goes first, as in vLLM's
-default scheduling without chunked prefill).
+their KV lives. With chunked prefill (the default) a step first decodes every running
+request that can, then spends what is left of ``max_num_batched_tokens`` on prompt
+chunks: the prompts already started, oldest first, then newly admitted requests. A
+request is admitted with blocks for its whole prompt; each chunk caches the full blocks
+it completes in the prefix cache. Only a prompt's last chunk samples a token. Without
+chunked prefill a step is either one batched prefill of whole prompts or one decode step
+(prefill goes first, as in vLLM's scheduling without chunked prefill).
 
 With compression, a decode step also plans compactions (``compression/planner.py``)
 and follows the hybrid scheduling of Compressed PagedAttention:
@@ -62,9 +66,12 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         """Tokens this step computes."""
-        if not self.is_prefill:
-            return len(self.seqs)
-        return sum(s.num_tokens - s.num_prefix_hit_tokens for s in self.seqs)
+        return sum(s.chunk[1] if s.chunk is not None else 1 for s in self.seqs)
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The requests the step samples a token for, in order (read before the next schedule)."""
+        return [s for s in self.seqs if s.samples]
 
 
 class WaitingQueue:
@@ -136,14 +143,18 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's work, or ``None`` when nothing can run this step."""
         self._hand_out_query_slots()
-        batch = self._schedule_prefill()
+        chunked = self.config.enable_chunked_prefill
+        batch = None if chunked else self._schedule_prefill()
         if batch is None:
             batch = self._schedule_decode()
-            if (not batch.seqs and not batch.compressions and self.compression is not None
+            chunks = self._schedule_chunks(self.config.max_num_batched_tokens - len(batch.seqs)) if chunked else []
+            if (not batch.seqs and not chunks and not batch.compressions and self.compression is not None
                     and not self.compressions.busy and self.running and self.hybrid):
                 earlier = batch.preempted  # nobody could move: slot holders may go too
                 batch = self._schedule_decode(last_resort=True)
                 batch.preempted = earlier + batch.preempted
+            batch.seqs += chunks  # decodes first, then prompt chunks
+            batch.is_prefill = bool(chunks)
         return batch if batch.seqs or batch.compressions else None
 
     # -- query slots ----------------------------------------------------------
@@ -168,28 +179,62 @@ class Scheduler:
         return self.hybrid and kv_len < self.compression.slotless_limit(self.block_manager.block_size, seq.max_blocks)
 
     # -- prefill --------------------------------------------------------------
+    def _can_admit(self, seq: Sequence) -> bool:
+        """Whether the request at the head of the line can be admitted now."""
+        if seq.num_pending or not self.block_manager.can_allocate(seq):
+            return False  # (a request this schedule preempted may still have a token in flight)
+        # A prompt that reaches into a compression window needs a slot.
+        return (self.compression is None or bool(self.free_query_slots)
+                or self._may_run_without_slot(seq, seq.num_tokens))
+
+    def _admit(self, seq: Sequence) -> None:
+        """Give the head of the line its blocks (and a query slot, if one is free): it runs."""
+        self.block_manager.allocate(seq)
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        if self.compression is not None and self.free_query_slots and seq.max_blocks is not None:
+            seq.query_slot = self.free_query_slots.pop()
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = time.perf_counter()
+        self.running.append(seq)
+
     def _schedule_prefill(self) -> ScheduledBatch | None:
+        """Without chunked prefill: whole prompts, as many as the token budget holds (at least one)."""
         bm, budget = self.block_manager, self.config.max_num_batched_tokens
         admitted: list[Sequence] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.first()
             new_tokens = seq.num_tokens - bm.cached_prefix_tokens(seq)
-            if (new_tokens > budget and admitted) or not bm.can_allocate(seq):
+            if (new_tokens > budget and admitted) or not self._can_admit(seq):
                 break
-            if (self.compression is not None and not self.free_query_slots
-                    and not self._may_run_without_slot(seq, seq.num_tokens)):
-                break  # its prompt reaches into a compression window: it needs a slot
-            bm.allocate(seq)
+            self._admit(seq)
+            bm.schedule_chunk(seq, new_tokens)
             budget -= new_tokens
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            if self.compression is not None and self.free_query_slots and seq.max_blocks is not None:
-                seq.query_slot = self.free_query_slots.pop()
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = time.perf_counter()
-            self.running.append(seq)
             admitted.append(seq)
         return ScheduledBatch(admitted, is_prefill=True) if admitted else None
+
+    def _schedule_chunks(self, budget: int) -> list[Sequence]:
+        """Chunked prefill: ``budget`` tokens of prompts, those started first (oldest first),
+        then newly admitted requests."""
+        bm, chunks = self.block_manager, []
+        for seq in self.running:
+            if budget <= 0:
+                return chunks
+            if seq.prefilling and seq.status is SequenceStatus.RUNNING:
+                n = min(budget, len(seq.token_ids) - seq.num_computed)
+                bm.schedule_chunk(seq, n)
+                chunks.append(seq)
+                budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.first()
+            if not self._can_admit(seq):
+                break
+            self._admit(seq)
+            n = min(budget, len(seq.token_ids) - seq.num_computed)
+            bm.schedule_chunk(seq, n)
+            chunks.append(seq)
+            budget -= n
+        return chunks
 
     # -- decode ---------------------------------------------------------------
     def _compressing(self, seq: Sequence) -> bool:
@@ -224,8 +269,8 @@ class Scheduler:
             return True
 
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or self._compressing(seq):
-                continue  # preempted earlier in this loop, or being compressed
+            if seq.status is not SequenceStatus.RUNNING or seq.prefilling or self._compressing(seq):
+                continue  # preempted earlier in this loop, still prefilling, or being compressed
             if compression is not None and needs_compression(seq, bm):
                 if seq.query_slot is None:
                     continue  # a guard: without a slot a request stops before this point
@@ -243,6 +288,7 @@ class Scheduler:
                 continue  # its next token is in a compression window: waits for a slot
             if make_room(seq, lambda: bm.can_append(seq)):
                 bm.append_slot(seq)
+                seq.chunk = None  # it decodes in this step
                 batch.append(seq)
                 placed.add(seq)
         tasks = compressions.planned if compressions is not None else []

@@ -50,6 +50,13 @@ class Sequence:
         self.kv_len = 0
         self.num_pending = 0  # sampled tokens not yet in token_ids (asynchronous scheduling)
         self.num_prefix_hit_tokens = 0  # of the current prefill, served from the prefix cache
+        # Prefill progress (``scheduler.py``): a request is ``prefilling`` from its admission until
+        # the step holding its last prompt chunk is scheduled; ``num_computed`` counts the leading
+        # tokens whose KV is computed or scheduled; ``chunk`` is (first token, tokens) of the
+        # chunk in the step being built, None when the request decodes in it.
+        self.prefilling = False
+        self.num_computed = 0
+        self.chunk: tuple[int, int] | None = None
         self.kv_is_token_prefix = True  # False once compaction reorders the cache: no prefix caching
         # compression state (whether a compaction is in flight: ``Compressions.is_compressing``)
         self.max_blocks: int | None = None  # N of its own budget; None: full KV (the scheduler sets it)
@@ -81,6 +88,12 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         """Its prefill must compute the prompt's log probabilities (so no prefix-cache hit)."""
         return self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    @property
+    def samples(self) -> bool:
+        """Whether the step being built samples a token for it: it decodes, or its chunk ends
+        its prefill (an earlier chunk of a prompt yields no token)."""
+        return self.chunk is None or not self.prefilling
 
     @property
     def is_finished(self) -> bool:

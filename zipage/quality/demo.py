@@ -170,8 +170,8 @@ def run(model_dir: str, encoded: list[qeval.Encoded], compression, device: str =
                 if out.request_id in pending:
                     pending.discard(out.request_id)
                     finished[out.request_id] = out
-            if stats is not None and not stats.is_prefill:
-                bar.update(min(stats.num_tokens, bar.total - bar.n))
+            if stats is not None and stats.num_decodes:
+                bar.update(min(stats.num_decodes, bar.total - bar.n))
             elif stats is None and pending and not outputs:
                 raise RuntimeError("the engine has unfinished requests but scheduled nothing")
     finally:

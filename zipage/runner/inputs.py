@@ -22,7 +22,7 @@ class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor | None  # prefill: the last token of each sequence
+    logits_indices: torch.Tensor | None  # prefill: the last token of each sequence that samples
     num_seqs: int
 
 
@@ -37,6 +37,7 @@ class StepShape:
     max_seqlen_q: int
     max_seqlen_k: int
     has_cached_prefix: bool
+    num_sampled: int = -1  # prefill: rows that sample (a prompt's earlier chunks do not); -1: all
 
 
 class HostBuffer:
@@ -68,9 +69,10 @@ class InputBuilder:
         self.context_lens = HostBuffer((max_num_seqs,), torch.int32, device)
         self.cu_seqlens = HostBuffer((max_num_seqs + 1,), torch.int32, device)
         self.block_tables = HostBuffer((max_num_seqs, max_table_blocks), torch.int32, device)
-        # Asynchronous scheduling: the row of each request's input token among the previous
-        # step's sampled tokens (still on the device), -1 where the host knows it.
-        self.previous_rows = HostBuffer((max_num_seqs,), torch.int64, device)
+        self.logits_rows = HostBuffer((max_num_seqs,), torch.int64, device)  # prefill: tokens whose logits sample
+        # Asynchronous scheduling: for each input token, its row among the previous step's
+        # sampled tokens (still on the device), -1 where the host knows it.
+        self.previous_rows = HostBuffer((tokens,), torch.int64, device)
 
     def _block_tables(self, seqs: list[Sequence]) -> tuple[np.ndarray, int]:
         width = max(len(s.block_table) for s in seqs)
@@ -86,22 +88,35 @@ class InputBuilder:
         return self.to_device(self.fill_decode(seqs))
 
     def fill_prefill(self, seqs: list[Sequence]) -> StepShape:
-        """Write a prefill's numbers into the host buffers."""
+        """Write the numbers of a step with prompt chunks into the host buffers.
+
+        Each request computes a run of its tokens: its chunk (``Sequence.chunk``), or, for a
+        request that decodes in this step, its last token. The run's keys and values go to
+        the cache indices from ``kv_len`` on (equal to the positions unless the request was
+        compressed), and its queries attend to the cache up to them. The logits of each run's
+        last token are kept for the requests that sample (``Sequence.samples``)."""
         bs = self.block_size
         table, width = self._block_tables(seqs)
         cu = self.cu_seqlens.np
         cu[0] = 0
-        n, max_q, cached = 0, 0, False
+        n, max_q, max_k, cached, sampled = 0, 0, 0, False, 0
         for i, seq in enumerate(seqs):
-            assert seq.num_pending == 0, f"{seq}: a prefill needs every token on the host"
-            start, end = seq.num_prefix_hit_tokens, seq.num_tokens
-            q_len = end - start
+            if seq.chunk is None:  # decoding: its last token, possibly still on the device (patched there)
+                start, q_len = seq.num_tokens - 1, 1
+                self.input_ids.np[n] = seq.token_ids[-1]
+            else:
+                assert seq.num_pending == 0, f"{seq}: a prefill needs every token on the host"
+                start, q_len = seq.chunk
+                self.input_ids.np[n:n + q_len] = seq.token_ids[start:start + q_len]
+            end, kv_start = start + q_len, seq.kv_len
             pos = np.arange(start, end)
-            self.input_ids.np[n:n + q_len] = seq.token_ids[start:end]
+            index = np.arange(kv_start, kv_start + q_len)  # cache indices
             self.positions.np[n:n + q_len] = pos
-            self.slot_mapping.np[n:n + q_len] = table[i, pos // bs].astype(np.int64) * bs + pos % bs
-            self.context_lens.np[i] = end
+            self.slot_mapping.np[n:n + q_len] = table[i, index // bs].astype(np.int64) * bs + index % bs
+            self.context_lens.np[i] = kv_start + q_len
             if self.window:
+                # The queries of the run's last `window` tokens: the observation window of a
+                # compression after it (a later chunk's overwrite an earlier chunk's).
                 rows = self.query_slots.np[n:n + q_len]
                 rows[:] = self.no_query_row
                 if seq.query_slot is not None:
@@ -109,9 +124,12 @@ class InputBuilder:
                     rows[tail] = seq.query_slot * self.window + pos[tail] % self.window
             n += q_len
             cu[i + 1] = n
-            max_q = max(max_q, q_len)
-            cached |= start > 0
-        return StepShape(True, len(seqs), n, width, max_q, max(s.num_tokens for s in seqs), cached)
+            if seq.samples:
+                self.logits_rows.np[sampled] = n - 1
+                sampled += 1
+            max_q, max_k = max(max_q, q_len), max(max_k, kv_start + q_len)
+            cached |= kv_start > 0
+        return StepShape(True, len(seqs), n, width, max_q, max_k, cached, sampled)
 
     def fill_decode(self, seqs: list[Sequence]) -> StepShape:
         """Write a decode step's numbers into the host buffers."""
@@ -130,13 +148,20 @@ class InputBuilder:
         return StepShape(False, b, b, width, 1, int(kv_lens.max()) + 1, False)
 
     def previous_tokens(self, input_ids: torch.Tensor, seqs: list[Sequence], rows: dict[Sequence, int],
-                        sampled: torch.Tensor) -> torch.Tensor:
+                        sampled: torch.Tensor, shape: StepShape) -> torch.Tensor:
         """``input_ids`` (on the device) with each pending token taken from ``sampled``, the
         previous step's tokens on the device, at the request's row ``rows[seq]`` there."""
-        b = len(seqs)
-        self.previous_rows.np[:b] = [rows[s] if s.num_pending else -1 for s in seqs]
-        previous = self.previous_rows.to_device(b)
-        return torch.where(previous >= 0, sampled[previous.clamp(min=0)], input_ids)
+        n, previous = shape.num_tokens, self.previous_rows.np
+        if shape.is_prefill:  # a decoding request's token is the last of its one-token run
+            previous[:n] = -1
+            last = self.cu_seqlens.np[1:len(seqs) + 1] - 1
+            for seq, token in zip(seqs, last.tolist()):
+                if seq.num_pending:
+                    previous[token] = rows[seq]
+        else:
+            previous[:n] = [rows[s] if s.num_pending else -1 for s in seqs]
+        on_device = self.previous_rows.to_device(n)
+        return torch.where(on_device >= 0, sampled[on_device.clamp(min=0)], input_ids)
 
     def _buffers(self, shape: StepShape) -> dict[str, tuple[HostBuffer, tuple[int, ...]]]:
         """The buffers a step uses and the leading sizes it fills."""
@@ -146,14 +171,15 @@ class InputBuilder:
                 "block_tables": (self.block_tables, (b, shape.width))}
         if shape.is_prefill:
             used["cu_seqlens"] = (self.cu_seqlens, (b + 1,))
+            used["logits_rows"] = (self.logits_rows, (shape.num_sampled,))
         if self.window:
             used["query_slots"] = (self.query_slots, (n,))
         return used
 
     def export(self, shape: StepShape) -> dict[str, np.ndarray]:
-        """Copies of the filled host arrays, for the other tensor-parallel ranks."""
-        return {name: buf.np[tuple(slice(0, s) for s in sizes)].copy()
-                for name, (buf, sizes) in self._buffers(shape).items()}
+        """The filled host arrays, for the other tensor-parallel ranks: views of the buffers, which
+        the step ring (``step_channel.py``) copies before the next step refills them."""
+        return {name: buf.np[tuple(slice(0, s) for s in sizes)] for name, (buf, sizes) in self._buffers(shape).items()}
 
     def load(self, shape: StepShape, arrays: dict[str, np.ndarray]) -> None:
         """Write arrays exported by another rank into this rank's host buffers."""
@@ -171,7 +197,7 @@ class InputBuilder:
         logits_indices = None
         if shape.is_prefill:
             meta.cu_seqlens_q = self.cu_seqlens.to_device(b + 1)
-            logits_indices = (meta.cu_seqlens_q[1:] - 1).long()
+            logits_indices = self.logits_rows.to_device(shape.num_sampled)
         return ModelInputs(self.input_ids.to_device(n), self.positions.to_device(n), meta,
                            logits_indices=logits_indices, num_seqs=b)
 

@@ -11,6 +11,7 @@ device (``penalties.py``).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -228,6 +229,7 @@ class ModelRunner:
                 self.compressor.graphs = CompressionGraphs(self.compressor, min(self.num_query_slots, per_batch))
                 self.compressor.graphs.capture()
         self.last_prepare_s = 0.0  # host time of the last step's input preparation
+        self._prompt_parts: dict[Sequence, list[SampledLogprobs]] = {}  # prompt logprobs of earlier chunks
         self._bitmask: torch.Tensor | None = None  # host rows of the constrained requests' token bitmasks
         self._bitmask_read: torch.cuda.Event | None = None  # their last copy to the device is done
         self._bitmask_filler = None
@@ -240,20 +242,28 @@ class ModelRunner:
                                        self.inputs.no_query_row if compression else None)
             self.graphs.capture()
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs, row: int,
-                         seq: Sequence) -> SampledLogprobs:
-        """Raw log probabilities of ``seq``'s prompt tokens after the first, from the prefill's hidden
-        states (its whole prompt: no prefix-cache hit), a chunk of positions at a time."""
-        start = int(self.inputs.cu_seqlens.np[row])  # the host copy of this prefill's offsets
-        n = seq.num_prompt_tokens - 1
-        targets = torch.as_tensor(seq.token_ids[1:seq.num_prompt_tokens], dtype=torch.int64)
-        targets = targets if self.device.type == "cpu" else targets.pin_memory().to(self.device, non_blocking=True)
+    def _prompt_logprobs(self, hidden: torch.Tensor, row: int, seq: Sequence) -> SampledLogprobs | None:
+        """Raw log probabilities of ``seq``'s prompt tokens after the first, from the hidden states of
+        its chunk (its whole prompt comes in chunks from the first token: no prefix-cache hit), a
+        run of positions at a time. The chunks' parts are kept until the last chunk, which returns
+        them all; an earlier chunk returns None."""
+        start = int(self.inputs.cu_seqlens.np[row])  # the host copy of this step's offsets
+        first_pos, q_len = seq.chunk
+        # Position p predicts token p + 1: this chunk's positions up to the prompt's second last.
+        end_pos = min(first_pos + q_len, seq.num_prompt_tokens - 1)
         k = seq.sampling_params.prompt_logprobs
-        parts = []
-        for first in range(0, n, PROMPT_LOGPROBS_CHUNK):
-            last = min(n, first + PROMPT_LOGPROBS_CHUNK)
-            logits = self.model.compute_logits(hidden[start + first:start + last])
-            parts.append(compute_logprobs(logits, targets[first:last], k))
+        parts = self._prompt_parts.setdefault(seq, [])
+        if end_pos > first_pos:
+            targets = torch.as_tensor(seq.token_ids[first_pos + 1:end_pos + 1], dtype=torch.int64)
+            if self.device.type != "cpu":
+                targets = targets.pin_memory().to(self.device, non_blocking=True)
+            for first in range(first_pos, end_pos, PROMPT_LOGPROBS_CHUNK):
+                last = min(end_pos, first + PROMPT_LOGPROBS_CHUNK)
+                logits = self.model.compute_logits(hidden[start + first - first_pos:start + last - first_pos])
+                parts.append(compute_logprobs(logits, targets[first - first_pos:last - first_pos], k))
+        if seq.prefilling:
+            return None  # more chunks to come
+        del self._prompt_parts[seq]
         if not parts:  # a one-token prompt
             empty = torch.empty(0, k + 1, device=self.device)
             return SampledLogprobs(empty.long(), empty, torch.empty(0, dtype=torch.int64, device=self.device))
@@ -376,19 +386,26 @@ class ModelRunner:
         if shape is None:
             shape = self.inputs.fill_prefill(seqs) if is_prefill else self.inputs.fill_decode(seqs)
         inputs = self.inputs.to_device(shape)
-        if previous is not None and not shape.is_prefill:  # a prefill's tokens are all on the host
-            inputs.input_ids = self.inputs.previous_tokens(inputs.input_ids, seqs, previous.rows, previous.tokens)
-        if shape.is_prefill:
-            self.penalties.admit(seqs)
-            self.thinking.admit(seqs)
-        st = sampling_tensors(seqs, self.vocab_size, eos_token_ids, self.device, self.penalties.rows,
+        if previous is not None and any(s.num_pending for s in seqs):  # a prompt chunk's tokens are on the host
+            inputs.input_ids = self.inputs.previous_tokens(inputs.input_ids, seqs, previous.rows, previous.tokens,
+                                                           shape)
+        sampled = [s for s in seqs if s.samples] if shape.is_prefill else seqs
+        if shape.is_prefill:  # per-request sampling state is built when a prompt's last chunk runs
+            finished_prompts = [s for s in sampled if s.chunk is not None]
+            self.penalties.admit(finished_prompts)
+            self.thinking.admit(finished_prompts)
+        st = sampling_tensors(sampled, self.vocab_size, eos_token_ids, self.device, self.penalties.rows,
                               self.thinking.rows)
         if self.device.type == "cuda":
             self._inputs_read = torch.cuda.Event()
             self._inputs_read.record()
         self.last_prepare_s = time.perf_counter() - start
-        step = LaunchedStep(self.device, seqs)
-        wanted = [(row, seq) for row, seq in enumerate(seqs) if seq.needs_prompt_logprobs] if shape.is_prefill else ()
+        step = LaunchedStep(self.device, sampled)
+        wanted = []  # (row in the step, row among the sampled, request) of the chunks wanting prompt logprobs
+        if shape.is_prefill and any(s.needs_prompt_logprobs for s in seqs):
+            sampled_rows = itertools.accumulate((s.samples for s in seqs), initial=0)
+            wanted = [(row, out_row, seq) for row, (seq, out_row) in enumerate(zip(seqs, sampled_rows))
+                      if seq.chunk is not None and seq.needs_prompt_logprobs]
         logits = self.logits(inputs, wanted, step.prompt)
         step.unsampled = (logits, st, self.trace.mark() if self.trace else None)
         if not defer_sampling:
@@ -405,6 +422,9 @@ class ModelRunner:
     def _sample(self, step: "LaunchedStep") -> None:
         logits, st, begin = step.unsampled
         seqs = step.seqs
+        if not seqs:  # only earlier chunks of prompts: nothing to sample
+            step.sampled(torch.empty(0, dtype=torch.int64, device=self.device), None)
+            return
         constrained = [(row, seqs[row].grammar) for row in st.constrained_rows
                        if not seqs[row].is_finished and not seqs[row].grammar.is_terminated]
         if constrained:
@@ -441,6 +461,8 @@ class ModelRunner:
         if self.penalties is not None:
             self.penalties.release(seqs)
             self.thinking.release(seqs)
+        for seq in seqs:
+            self._prompt_parts.pop(seq, None)
 
     @staticmethod
     def collect(step: "LaunchedStep") -> StepTokens:
@@ -448,24 +470,64 @@ class ModelRunner:
         return step.token_ids()
 
     @torch.inference_mode()
-    def follow(self, shape: StepShape, arrays: dict) -> None:
+    def follow(self, shape: StepShape, arrays: dict, shared_tokens: torch.Tensor | None = None) -> None:
         """A follower rank's step: the forward of rank 0's inputs (the collectives need every
-        rank), without sampling."""
-        self.inputs.load(shape, arrays)
-        self.logits(self.inputs.to_device(shape))
-        if self.device.type == "cuda":  # the host buffers are refilled by the next step
-            torch.cuda.synchronize(self.device)
+        rank), without sampling. ``arrays``: the step's host arrays, from the step ring
+        (``step_channel.py``), read before it returns. With ``pending_rows`` among them
+        (asynchronous scheduling: each request's row among the previous step's sampled tokens,
+        -1 where its input token is on the host), the pending input tokens are taken from
+        ``shared_tokens``, the previous step's tokens that rank 0 broadcast, by the same
+        ``previous_tokens`` as on rank 0.
 
-    def logits(self, inputs: ModelInputs, prompt_rows: list[tuple[int, Sequence]] = (),
+        No wait for the device: this rank's work is ordered by its one stream and by the
+        collectives that meet rank 0's; the host buffers are refilled only once the last step's
+        copies from them are done (the event, as in ``launch``)."""
+        if self._inputs_read is not None:
+            self._inputs_read.synchronize()
+        self.inputs.load(shape, arrays)
+        inputs = self.inputs.to_device(shape)
+        pending = arrays.get("pending_rows")
+        if pending is not None:
+            requests = [_PendingToken(row) for row in pending.tolist()]
+            inputs.input_ids = self.inputs.previous_tokens(inputs.input_ids, requests, _PendingToken.ROWS,
+                                                           shared_tokens, shape)
+        if self.device.type == "cuda":
+            self._inputs_read = torch.cuda.Event()
+            self._inputs_read.record()
+        self.logits(inputs)
+
+    def logits(self, inputs: ModelInputs, prompt_rows: list[tuple[int, int, Sequence]] = (),
                prompt_out: list | None = None) -> torch.Tensor:
-        """The logits of each sequence's last token. ``prompt_rows``: the (row, request) pairs of a
-        prefill whose prompt log probabilities are wanted; they go to ``prompt_out``."""
+        """The logits of each sampling sequence's last token. ``prompt_rows``: (row in the step, row
+        among the sampling sequences, request) of the prompt chunks whose log probabilities are
+        wanted; a prompt's are complete at its last chunk and go to ``prompt_out`` as (row among
+        the sampling sequences, values)."""
         if not inputs.metadata.is_prefill and self.graphs is not None and self.graphs.can_run(inputs.num_seqs):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
         with attention_metadata(inputs.metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
-        for row, seq in prompt_rows:
-            prompt_out.append((row, self._prompt_logprobs(hidden, inputs, row, seq)))
+        for row, out_row, seq in prompt_rows:
+            values = self._prompt_logprobs(hidden, row, seq)
+            if values is not None:
+                prompt_out.append((out_row, values))
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
         return self.model.compute_logits(hidden)
+
+
+# -- followers only (tensor parallelism) ---------------------------------------------
+class _PendingToken:
+    """A request as ``InputBuilder.previous_tokens`` reads it, on a follower rank, which has no
+    ``Sequence``: whether its input token is pending, and its row among the shared tokens
+    (``ROWS[request]``, as ``LaunchedStep.rows`` on rank 0)."""
+
+    __slots__ = ("num_pending", "row")
+
+    class _Rows:
+        def __getitem__(self, request: "_PendingToken") -> int:
+            return request.row
+
+    ROWS = _Rows()
+
+    def __init__(self, row: int):
+        self.num_pending, self.row = int(row >= 0), row

@@ -4,15 +4,28 @@ The engine (scheduler, block manager, sampling) lives on rank 0 only. Each other
 rank is a process with its own ``ModelRunner``: its share of the weights, a KV
 cache of its own KV heads with the same blocks, and a query cache of its own
 query heads. Every runner call rank 0 makes reaches the followers first, through
-a pipe and in the same order, so all ranks run the same forwards (their
-collectives meet) and the same compressions:
+the step ring (shared memory, ``step_channel.py``) and in the same order, so all
+ranks run the same forwards (their collectives meet) and the same compressions:
 
-- a step sends the host arrays of the step's inputs (ids, positions, slots, block
-  tables), built once on rank 0; followers run the forward and drop the logits;
-- a compression sends its tasks (block lists and counts); each rank scores and
-  compacts its own heads, no communication needed since scores are per KV head;
+- a step posts the host arrays of the step's inputs (ids, positions, slots, block
+  tables), built once on rank 0, copied into a ring slot (nothing pickled); followers
+  run the forward and drop the logits;
+- a compression posts its tasks (block lists and counts, pickled: they are rare); each
+  rank scores and compacts its own heads, no communication needed since scores are per
+  KV head;
 - when rank 0 collects an asynchronous compression, the followers' main streams
   wait for theirs, so no later step writes a block it still reads.
+
+Asynchronous (launch-ahead) scheduling: a decode request's input token may be the
+previous step's sampled token, still on rank 0's device. After sampling each launched
+step, rank 0 broadcasts its sampled tokens (padded to ``max_num_seqs``) to the group,
+a collective queued on the device like the forward's, with no host wait; the step's
+message tells the followers to receive it, and the next step's message carries each
+request's row among those tokens, so followers patch their input ids as rank 0 does.
+
+Followers never wait for their device per step: each one's work is ordered by its
+stream (forwards, broadcasts, synchronous compressions), by the collectives that meet
+rank 0's, and by an event guarding its host buffers (``ModelRunner.follow``).
 """
 
 from __future__ import annotations
@@ -26,11 +39,14 @@ import traceback
 from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zipage.config import EngineConfig
 from zipage.distributed import destroy_tensor_parallel, init_tensor_parallel
+from zipage.runner.step_channel import ChannelReader, Message, StepChannel, slot_bytes_for
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +85,15 @@ def _portable(tasks):
     return [replace(t, seq=SimpleNamespace(query_slot=t.seq.query_slot), pending_release=[]) for t in tasks]
 
 
-def _follower_main(rank: int, config: EngineConfig, hf_config, port: int, conn) -> None:
+def _share_tokens(tokens: torch.Tensor) -> None:
+    """Rank 0's ``tokens`` (a step's sampled token ids) into every rank's ``tokens``. On CUDA the
+    broadcast is queued on the stream after the work before it (NCCL waits for it, the stream
+    waits for NCCL): the host does not wait."""
+    with torch.inference_mode():
+        dist.broadcast(tokens, src=0)
+
+
+def _follower_main(rank: int, config: EngineConfig, hf_config, port: int, conn, reader: ChannelReader) -> None:
     from zipage.runner.model_runner import ModelRunner
 
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints where this rank stands (a hang in a collective)
@@ -79,24 +103,38 @@ def _follower_main(rank: int, config: EngineConfig, hf_config, port: int, conn) 
     try:
         init_tensor_parallel(rank, config.tensor_parallel_size, _backend(config), f"tcp://127.0.0.1:{port}")
         runner = ModelRunner(config, hf_config, rank)
+        try:
+            reader.attach(conn)  # rank 0 sizes the ring from its input builder, built just now
+        except EOFError:  # rank 0 is gone (it failed to start)
+            return
+        # The last launched step's sampled tokens, as rank 0 broadcast them (asynchronous scheduling)
+        tokens = torch.zeros(config.scheduler.max_num_seqs, dtype=torch.int64, device=runner.device)
         in_flight = None  # this rank's event of the asynchronous compression in flight
         while True:
+            message = reader.receive()
+            if message is None:  # rank 0 is gone
+                break
+            command, shares = message.command, message.share_tokens
             try:
-                command, *args = conn.recv()
-            except EOFError:  # rank 0 is gone
-                break
-            if command == "step":
-                runner.follow(*args)
-            elif command == "compress":
-                runner.compress(args[0])
-            elif command == "start_compression":
-                in_flight = runner.start_compression(args[0])
-            elif command == "collect_compression":
-                if in_flight is not None:
-                    torch.cuda.current_stream(runner.device).wait_event(in_flight)
-                    in_flight = None
-            elif command == "close":
-                break
+                if command == "step":
+                    runner.follow(message.shape, message.arrays, tokens)
+                elif command == "compress":
+                    runner.compress(message.payload)
+                elif command == "start_compression":
+                    in_flight = runner.start_compression(message.payload)
+                elif command == "collect_compression":
+                    if in_flight is not None:
+                        torch.cuda.current_stream(runner.device).wait_event(in_flight)
+                        in_flight = None
+                elif command == "close":
+                    break
+                else:
+                    raise RuntimeError(f"unknown tensor-parallel command {command!r}")
+            finally:
+                reader.release()  # its arrays are in this rank's host buffers now
+                message = None  # no view of the slot outlives it
+            if shares:  # after its forward, as rank 0 after sampling
+                _share_tokens(tokens)
     except Exception:
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         raise
@@ -106,6 +144,7 @@ def _follower_main(rank: int, config: EngineConfig, hf_config, port: int, conn) 
                 runner.release_graphs()
         finally:  # left even when the device failed
             destroy_tensor_parallel()
+            reader.close()
             conn.close()
 
 
@@ -115,8 +154,9 @@ class ParallelRunner:
     Everything else (cache sizes, the model, traces) is rank 0's ``ModelRunner``.
     """
 
-    # The followers take each step's input tokens from the host: every step waits for its tokens.
-    supports_async_scheduling = False
+    # ``launch`` / ``collect``: each launched step's sampled tokens are broadcast to the
+    # followers, which take the pending input tokens from them as rank 0 does.
+    supports_async_scheduling = True
     # Rank 0 computes logits beyond the step's (the vocabulary gather is a collective): not here.
     supports_prompt_logprobs = False
 
@@ -128,10 +168,15 @@ class ParallelRunner:
         size, port = config.tensor_parallel_size, _free_port()
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
+        # Semaphores cross processes only at spawn: the channel's are made now, its ring once
+        # rank 0's input builder gives the slot size.
+        self._channel = StepChannel(ctx, size - 1, alive=lambda index: self._procs[index].is_alive())
+        self._shared = None  # the last step whose sampled tokens the followers hold
         for rank in range(1, size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_follower_main, args=(rank, config, hf_config, port, child), daemon=True,
-                               name=f"zipage-tp{rank}")
+            proc = ctx.Process(target=_follower_main, args=(rank, config, hf_config, port, child,
+                                                             self._channel.reader(rank - 1)),
+                               daemon=True, name=f"zipage-tp{rank}")
             proc.start()
             child.close()
             self._conns.append(parent)
@@ -140,6 +185,11 @@ class ParallelRunner:
             self._wait_started()
             init_tensor_parallel(0, size, _backend(config), f"tcp://127.0.0.1:{port}")
             self.local = ModelRunner(config, hf_config, 0)
+            # a slot: the builder's buffers, and each request's row of its pending token
+            pending_rows_bytes = 8 * config.scheduler.max_num_seqs
+            self._channel.open(slot_bytes_for(self.local.inputs, pending_rows_bytes), self._conns)
+            # A launched step's sampled tokens, padded to the most a step has, as broadcast
+            self._tokens = torch.zeros(config.scheduler.max_num_seqs, dtype=torch.int64, device=self.local.device)
         except BaseException:
             self.close()
             raise
@@ -165,15 +215,58 @@ class ParallelRunner:
     def __getattr__(self, name):
         return getattr(self.__dict__["local"], name)
 
-    def _send(self, *message) -> None:
-        for conn in self._conns:
-            conn.send(message)
+    def _send(self, command: str, payload=None) -> None:
+        self._channel.send(Message(command, payload=payload))
+
+    def _post_step(self, seqs, is_prefill: bool, shape=None, previous=None, share_tokens: bool = False):
+        """Fill the step's inputs into rank 0's host buffers (unless ``shape`` says the caller did)
+        and post them to the followers; return the step's shape."""
+        local = self.local
+        if shape is None:
+            if local._inputs_read is not None:  # as in ModelRunner.launch: the last step's copies from
+                local._inputs_read.synchronize()  # the host buffers must be done before they are refilled
+            shape = local.inputs.fill_prefill(seqs) if is_prefill else local.inputs.fill_decode(seqs)
+        arrays = local.inputs.export(shape)
+        if previous is not None and any(s.num_pending for s in seqs):  # the test of ModelRunner.launch
+            rows = previous.rows
+            arrays["pending_rows"] = np.array([rows[s] if s.num_pending else -1 for s in seqs], dtype=np.int64)
+        self._channel.send(Message("step", shape, arrays, share_tokens=share_tokens))
+        return shape
 
     def execute(self, seqs, is_prefill: bool, eos_token_ids: set[int], async_callback=None) -> list[int]:
-        inputs = self.local.inputs
-        shape = inputs.fill_prefill(seqs) if is_prefill else inputs.fill_decode(seqs)
-        self._send("step", shape, inputs.export(shape))
+        """A synchronous step: its tokens are read before the next one, so the followers need none."""
+        shape = self._post_step(seqs, is_prefill)
         return self.local.execute(seqs, is_prefill, eos_token_ids, shape, async_callback)
+
+    def launch(self, seqs, is_prefill: bool, eos_token_ids: set[int], shape=None, previous=None,
+               defer_sampling: bool = False):
+        """``ModelRunner.launch`` on every rank; the step's sampled tokens are then broadcast
+        (``sample``), as the next step's pending input tokens may be among them."""
+        if previous is not None and previous is not self._shared:
+            raise RuntimeError("with tensor parallelism a step's pending tokens must come from the step "
+                               "launched just before it: the followers hold only that step's tokens")
+        shape = self._post_step(seqs, is_prefill, shape, previous, share_tokens=True)
+        # Sampled apart, so that the broadcast the followers wait for follows the forward even
+        # when sampling fails.
+        step = self.local.launch(seqs, is_prefill, eos_token_ids, shape, previous, defer_sampling=True)
+        if not defer_sampling:
+            self.sample(step)
+        return step
+
+    def sample(self, step) -> None:
+        """Queue a launched step's sampler, then broadcast its tokens to the followers."""
+        self._shared = None
+        try:
+            self.local.sample(step)
+        finally:  # the followers wait for the broadcast whatever happened (if sampling failed they get
+            # the last tokens again: the step's requests fail, and no later step reads them)
+            tokens = step.tokens
+            with torch.inference_mode():
+                if tokens is not None and tokens.numel():
+                    self._tokens[:tokens.numel()].copy_(tokens)
+            _share_tokens(self._tokens)
+            if tokens is not None:
+                self._shared = step
 
     def forget(self, seqs) -> None:
         """Only rank 0 samples, so only it holds per-request state: the followers need nothing."""
@@ -197,10 +290,11 @@ class ParallelRunner:
         """Stop the followers and leave the group (idempotent). Every rank drops its CUDA
         graphs and waits for its device first; rank 0 leaves before it waits for the
         followers to exit, so a teardown that waits on the peers cannot deadlock with them."""
-        for conn in self._conns:
-            try:
-                conn.send(("close",))
-            except (BrokenPipeError, OSError):
+        channel = self.__dict__.get("_channel")
+        if channel is not None and channel.is_open:
+            try:  # after the steps already posted; a follower that is gone or stuck is killed below
+                channel.send(Message("close"), timeout_s=5.0)
+            except (RuntimeError, TimeoutError, OSError):
                 pass
         local = self.__dict__.get("local")
         try:
@@ -214,6 +308,8 @@ class ParallelRunner:
                     proc.kill()
             for conn in self._conns:
                 conn.close()
+            if channel is not None:
+                channel.close()
             self._conns, self._procs = [], []
 
 

@@ -1,0 +1,156 @@
+"""Chunked prefill: prompts computed in chunks of at most ``max_num_batched_tokens``, in steps
+that also decode the running requests. Greedy tokens stay transformers' token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.conftest import assert_pool_full, make_llm
+from zipage import SamplingParams
+
+NEW_TOKENS = 24
+
+
+def _prompts(seed: int, vocab: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def _greedy(max_tokens: int = NEW_TOKENS, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def _run_steps(llm, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]):
+    """Step the engine, adding each request at its step; return (outputs by id, step stats)."""
+    engine, done, steps = llm.engine, {}, []
+    step = 0
+    while arrivals or engine.has_unfinished_requests():
+        for request_id, prompt, params in arrivals.pop(step, []):
+            engine.add_request(prompt, params, request_id=request_id)
+        outputs, stats = engine.step()
+        done.update((o.request_id, o) for o in outputs if o.finished)
+        if stats is not None:
+            steps.append(stats)
+        step += 1
+        assert step < 10_000
+    return done, steps
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_prompts_in_many_chunks_match_transformers(checkpoint_dir, hf_greedy, async_scheduling):
+    model_dir = checkpoint_dir("qwen3")
+    llm = make_llm(model_dir, block_size=16, max_num_seqs=8, max_num_batched_tokens=7,
+                   async_scheduling=async_scheduling)
+    prompts = _prompts(11, llm.engine.vocab_size, [1, 7, 8, 23, 64, 101])
+    # Arrivals while others decode: steps mix decodes with prompt chunks.
+    arrivals = {0: [("0", prompts[0], _greedy()), ("1", prompts[4], _greedy())],
+                3: [("2", prompts[5], _greedy()), ("3", prompts[1], _greedy())],
+                9: [("4", prompts[2], _greedy()), ("5", prompts[3], _greedy())]}
+    order = [prompts[0], prompts[4], prompts[5], prompts[1], prompts[2], prompts[3]]
+    done, steps = _run_steps(llm, arrivals)
+    for i, prompt in enumerate(order):
+        assert done[str(i)].outputs[0].token_ids == hf_greedy(model_dir, prompt, NEW_TOKENS), f"prompt of {len(prompt)}"
+    assert all(s.num_tokens <= max(7, s.num_decodes) for s in steps), "a step beyond the token budget"
+    assert any(s.is_prefill and s.num_decodes for s in steps), "no step mixed decodes with a prompt chunk"
+    assert sum(s.num_tokens - s.num_decodes for s in steps) == sum(map(len, prompts))  # each prompt token once
+    assert_pool_full(llm)
+
+
+def test_chunked_prefix_cache_and_preemption_match_transformers(checkpoint_dir, hf_greedy):
+    """Shared prefixes served from blocks earlier chunks computed, under a cache small enough to preempt."""
+    import torch
+
+    from zipage.models.registry import spec_from_config
+    from zipage.runner.kv_cache import bytes_per_block
+    from zipage.utils.loader import load_config
+
+    model_dir = checkpoint_dir("llama")
+    per_block = bytes_per_block(spec_from_config(load_config(model_dir)), 16, torch.float32)
+    llm = make_llm(model_dir, block_size=16, max_model_len=192, kv_cache_memory_bytes=12 * per_block,
+                   max_num_batched_tokens=10)
+    vocab = llm.engine.vocab_size
+    shared = _prompts(12, vocab, [48])[0]
+    prompts = [shared + tail for tail in _prompts(13, vocab, [3, 20, 35])] + _prompts(14, vocab, [40, 9, 25])
+    params = _greedy(max_tokens=48)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, 48), f"prompt of {len(prompt)}"
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.prefix_hit_tokens > 0
+    assert_pool_full(llm)
+
+
+def test_chunking_off_prefills_whole_prompts_in_steps_of_their_own(checkpoint_dir, hf_greedy):
+    model_dir = checkpoint_dir("qwen3")
+    llm = make_llm(model_dir, block_size=16, max_num_seqs=8, enable_chunked_prefill=False)
+    prompts = _prompts(15, llm.engine.vocab_size, [30, 70])
+    done, steps = _run_steps(llm, {0: [("0", prompts[0], _greedy())], 2: [("1", prompts[1], _greedy())]})
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == hf_greedy(model_dir, prompt, NEW_TOKENS)
+    prefills = [s for s in steps if s.is_prefill]
+    assert [s.num_tokens for s in prefills] == [30, 70] and all(s.num_decodes == 0 for s in prefills)
+    assert_pool_full(llm)
+
+
+def test_per_request_state_is_built_at_the_last_chunk(checkpoint_dir):
+    """Prompt log probabilities gathered over chunks, penalties counted from the whole prompt,
+    seeded sampling: all as with whole prompts."""
+    model_dir = checkpoint_dir("qwen3")
+    vocab = None
+    results = []
+    for chunked in (False, True):
+        llm = make_llm(model_dir, block_size=16, max_num_seqs=8, enable_chunked_prefill=chunked,
+                       **({"max_num_batched_tokens": 6} if chunked else {}))
+        vocab = vocab or llm.engine.vocab_size
+        prompts = _prompts(16, vocab, [2, 13, 40])
+        params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=3),
+                  SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5,
+                                 presence_penalty=0.5),
+                  SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=5, ignore_eos=True)]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.prompt_logprobs) for o in outputs])
+        assert_pool_full(llm)
+    whole, chunked = results
+    for (tokens_w, plp_w), (tokens_c, plp_c) in zip(whole, chunked):
+        assert tokens_c == tokens_w
+        assert (plp_w is None) == (plp_c is None)
+        if plp_w is not None:
+            assert len(plp_c) == len(plp_w) == 2 and plp_c[0] is None
+            for pos_w, pos_c in zip(plp_w[1:], plp_c[1:]):
+                assert pos_w.keys() == pos_c.keys()
+                for token in pos_w:
+                    assert pos_c[token].logprob == pytest.approx(pos_w[token].logprob, abs=1e-4)
+                    assert pos_c[token].rank == pos_w[token].rank
+
+
+def test_long_prompt_with_prompt_logprobs_over_chunks(checkpoint_dir):
+    model_dir = checkpoint_dir("qwen3")
+    logprobs = []
+    for budget in (None, 5):
+        llm = make_llm(model_dir, block_size=16, enable_chunked_prefill=budget is not None,
+                       **({"max_num_batched_tokens": budget} if budget else {}))
+        prompt = _prompts(17, llm.engine.vocab_size, [37])[0]
+        (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1),
+                              use_tqdm=False)
+        assert len(out.prompt_logprobs) == 37 and out.prompt_logprobs[0] is None
+        logprobs.append([p[t].logprob for p, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+    assert logprobs[1] == pytest.approx(logprobs[0], abs=1e-4)
+
+
+def test_token_budget_below_the_context_needs_chunking():
+    from zipage.config import SchedulerConfig
+
+    config = SchedulerConfig(max_num_batched_tokens=512, max_model_len=4096)
+    config.resolve(8192)  # chunked by default: any budget
+    assert config.max_num_batched_tokens == 512
+    default = SchedulerConfig(max_model_len=32768)
+    default.resolve(32768)
+    assert default.max_num_batched_tokens == 8192
+    whole = SchedulerConfig(max_num_batched_tokens=512, max_model_len=4096, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=512 must be >= max_model_len=4096 without "
+                                         "chunked prefill"):
+        whole.resolve(8192)
+    with pytest.raises(ValueError, match="enable_chunked_prefill must be True or False, got 'yes'"):
+        SchedulerConfig(enable_chunked_prefill="yes")

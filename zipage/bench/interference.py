@@ -1,0 +1,154 @@
+"""``zipage bench serve --background N``: long prompts arriving while N streams decode.
+
+The N streams (random prompts of ``--input-len`` tokens, ``--output-len`` tokens each)
+are sent at once; ``--long-start`` seconds later, once they decode, the long prompts
+(``--long-prompts`` lengths, ``--long-repeats`` of each, in a seeded random order) arrive
+as a Poisson process of ``--long-rate`` a second. Without chunked prefill each long prompt
+is prefilled in a step of its own, during which every stream waits; with it, the prompt
+is cut into chunks of ``--max-num-batched-tokens`` that run beside the streams' decodes.
+
+Reported, through the HTTP API of a server started here (or ``--url``):
+
+- the streams' inter-token latency (ITL) in the *window* from the first long prompt's
+  arrival to the last one's first token (the gaps that can meet a prefill), and over the
+  whole run; p50, p99, p99.9 and the largest gap;
+- the streams' median ITL before the first long prompt arrives: the median decode step,
+  the yardstick of the ``p99 <= 3x`` target;
+- the long prompts' time to first token (TTFT), p50 and p99, and the largest;
+- output tokens per second of the whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+from zipage.bench.common import print_table, write_json
+from zipage.bench.serving import (_ms, _ms_value, _server_model, _start_server, _warm_clients, client_pool,
+                                  itl_values, send_all_sync)
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--long-prompts must be comma-separated integers, got {text!r}") from None
+    if not lengths or any(n < 1 for n in lengths):
+        raise ValueError(f"--long-prompts must be positive integers, got {text!r}")
+    return lengths
+
+
+def gap_stats(gaps: np.ndarray) -> dict:
+    """Mean, p50, p99, p99.9 and largest of inter-token gaps (seconds); None where there are none."""
+    if not gaps.size:
+        return {k: None for k in ("count", "mean", "p50", "p99", "p999", "max")}
+    return {"count": int(gaps.size), "mean": float(gaps.mean()), "p50": float(np.percentile(gaps, 50)),
+            "p99": float(np.percentile(gaps, 99)), "p999": float(np.percentile(gaps, 99.9)),
+            "max": float(gaps.max())}
+
+
+def window_gaps(results: list[dict], start: float, end: float) -> np.ndarray:
+    """The streams' inter-token gaps whose chunk arrived within [start, end] (seconds from the run's
+    start), each once per token the chunk brought."""
+    parts = []
+    for r in results:
+        times = np.asarray(r["times"])
+        inside = (times >= start) & (times <= end)
+        parts.append(np.repeat(np.asarray(r["gaps"])[inside], np.asarray(r["counts"])[inside].astype(int)))
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def summarize(streams: list[dict], long: list[dict], long_arrivals, duration: float) -> dict:
+    """The report of one run from the clients' results (see the module's docstring)."""
+    done_streams = [r for r in streams if r["error"] is None]
+    done_long = [r for r in long if r["error"] is None]
+    first_arrival = float(min(long_arrivals))
+    last_first_token = max((r["sent"] + r["ttft"] for r in done_long if r["ttft"] is not None),
+                           default=first_arrival)
+    before = window_gaps(done_streams, 0.0, first_arrival)
+    window = window_gaps(done_streams, first_arrival, last_first_token)
+    median_step = float(np.median(before)) if before.size else None
+    stats = gap_stats(window)
+    ttfts = np.asarray([r["ttft"] for r in done_long if r["ttft"] is not None], dtype=float)
+    output_tokens = sum(r["output_tokens"] for r in done_streams + done_long)
+    return {
+        "streams": len(streams), "long_prompts": len(long),
+        "failed": len(streams) - len(done_streams) + len(long) - len(done_long),
+        "errors": sorted({str(r["error"]) for r in streams + long if r["error"]})[:5],
+        "window_s": [first_arrival, last_first_token],
+        "median_decode_step_s": median_step,
+        "itl_window_s": stats, "itl_all_s": gap_stats(itl_values(done_streams)),
+        "p99_over_median_step": (stats["p99"] / median_step if median_step and stats["p99"] is not None else None),
+        "ttft_long_s": {"p50": float(np.percentile(ttfts, 50)) if ttfts.size else None,
+                        "p99": float(np.percentile(ttfts, 99)) if ttfts.size else None,
+                        "max": float(ttfts.max()) if ttfts.size else None},
+        "duration_s": duration, "output_tokens_per_s": output_tokens / duration,
+        "long_ttft_s": [[r["prompt_tokens"], r["ttft"]] for r in done_long],
+    }
+
+
+def run_interference_bench(args: argparse.Namespace) -> int:
+    lengths = _lengths(args.long_prompts)
+    for name in ("background", "long_repeats", "input_len", "output_len", "long_output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("long_start", "long_rate"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.url and args.switch_interval is not None:
+        raise ValueError("--switch-interval is for a server started here, not --url")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    rng = np.random.default_rng(args.workload_seed)
+    server = clients = None
+    settings = {k: getattr(args, k) for k in ("background", "input_len", "output_len", "long_prompts",
+                                              "long_repeats", "long_start", "long_rate", "long_output_len",
+                                              "workload_seed")}
+    try:
+        if args.url:
+            base_url, vocab_size = args.url, args.vocab_size or 256
+            settings["server"] = args.url
+        else:
+            server, vocab_size, settings["server"] = _start_server(args)
+            base_url = server.url
+        model = _server_model(base_url, headers)
+        clients = client_pool()
+        _warm_clients(clients, base_url, model, headers)
+
+        def body(prompt, max_tokens):
+            return dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                        stream=True, stream_options={"continuous_usage_stats": True})
+
+        streams = [body(rng.integers(0, vocab_size, args.input_len).tolist(), args.output_len)
+                   for _ in range(args.background)]
+        long_lengths = rng.permutation(np.repeat(lengths, args.long_repeats)).tolist()
+        long = [body(rng.integers(0, vocab_size, n).tolist(), args.long_output_len) for n in long_lengths]
+        gaps = rng.exponential(1.0 / args.long_rate, len(long))
+        long_at = args.long_start + np.cumsum(gaps) - gaps[0]
+        arrivals = [0.0] * len(streams) + long_at.tolist()
+        print(f"{len(streams)} streams of {args.input_len}+{args.output_len} tokens; long prompts of "
+              f"{', '.join(map(str, long_lengths))} tokens from {args.long_start:g} s at {args.long_rate:g}/s",
+              flush=True)
+        results, duration, _ = clients.submit(send_all_sync, base_url, streams + long, arrivals, args.timeout,
+                                              headers).result()
+    finally:
+        if clients is not None:
+            clients.shutdown()
+        if server is not None:
+            server.stop()
+    report = summarize(results[:len(streams)], results[len(streams):], long_at, duration)
+    w, t = report["itl_window_s"], report["ttft_long_s"]
+    print_table([{"median step ms": _ms_value(report["median_decode_step_s"]), "ITL p50 ms": _ms_value(w["p50"]),
+                  "ITL p99 ms": _ms_value(w["p99"]), "ITL p99.9 ms": _ms_value(w["p999"]),
+                  "ITL max ms": _ms_value(w["max"]), "p99 / step": report["p99_over_median_step"],
+                  "TTFT p50 ms": _ms_value(t["p50"]), "TTFT p99 ms": _ms_value(t["p99"]),
+                  "tok/s": report["output_tokens_per_s"], "failed": report["failed"]}],
+                ["median step ms", "ITL p50 ms", "ITL p99 ms", "ITL p99.9 ms", "ITL max ms", "p99 / step",
+                 "TTFT p50 ms", "TTFT p99 ms", "tok/s", "failed"])
+    print(f"streams' ITL over the whole run: p50 {_ms(report['itl_all_s']['p50'])}, "
+          f"p99 {_ms(report['itl_all_s']['p99'])}, max {_ms(report['itl_all_s']['max'])}")
+    result = {"benchmark": "serving-interference", "model": model, "settings": settings, **report}
+    if args.out:
+        write_json(os.path.join(args.out, "serving.json"), result)
+    return 0 if report["failed"] == 0 else 1
