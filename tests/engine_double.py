@@ -260,6 +260,7 @@ class CheckingRunner:
         self._writes: list = []  # of the launch being checked
         self.num_compaction_batches = 0
         self.num_compactions_started = 0
+        self.prefill_compactions = 0  # compactions of prompts between their chunks
         self.compactions: Counter = Counter()  # request id -> compactions completed (all incarnations)
         self.evicted: Counter = Counter()  # request id -> tokens those evicted
         self.pooled: list[tuple[str, int, bool]] = []  # (request, incarnation, pool flag) per compaction
@@ -352,7 +353,7 @@ class CheckingRunner:
             else:
                 self._write_decode(seq, holders, inputs[seq.request_id])
         for seq in seqs:
-            upto = sum(seq.chunk) if seq.chunk is not None else seq.kv_len + 1
+            upto = seq.kv_len + (seq.chunk[1] if seq.chunk is not None else 1)
             self._check_reads(seq, upto, "prefill" if seq.chunk is not None else "decode")
 
     @_checked
@@ -472,20 +473,28 @@ class CheckingRunner:
     def _write_prefill(self, seq: Sequence, holders, batch) -> None:
         rid, tokens = seq.request_id, seq.token_ids
         start, n = seq.chunk
-        end = start + n
-        assert seq.kv_len == start and seq.kv_is_token_prefix, f"request {rid}: chunk {seq.chunk} of {seq}"
+        end, kv_start = start + n, seq.kv_len
+        # Cache index = position, unless the prompt was compressed between its chunks.
+        assert kv_start == start or (seq.compress_prefill and not seq.kv_is_token_prefix and kv_start < start), \
+            f"request {rid}: chunk {seq.chunk} of {seq}"
         assert end <= seq.num_tokens and seq.num_pending == 0, f"request {rid}: chunk {seq.chunk} of {seq}"
         hit = seq.num_prefix_hit_tokens
         assert hit % self.block_size == 0 and 0 <= hit <= start < end, f"request {rid}: prefix hit of {hit} tokens"
         if start > hit:  # a later chunk: the earlier ones' KV is cached
             expected = self.expected.get(rid)
-            assert expected is not None and len(expected) == start, f"request {rid}: chunk {seq.chunk} after {expected}"
-        for pos in range(start, end):
-            self._write(seq, pos, pos, self._entry(seq, pos, tokens), holders, batch)
+            assert expected is not None and len(expected) == kv_start, \
+                f"request {rid}: chunk {seq.chunk} after {expected} (kv_len {kv_start})"
+            assert (rid, _incarnation(seq)) not in self.failed_compactions, \
+                f"request {rid} is prefilled on although its compaction failed (its cache is unknown)"
+        else:
+            expected = [self._entry(seq, pos, tokens) for pos in range(start)]  # served by the prefix cache
+        new = [self._entry(seq, pos, tokens) for pos in range(start, end)]
+        for i, pos in enumerate(range(start, end)):
+            self._write(seq, kv_start + i, pos, new[i], holders, batch)
         if self.window is not None:
             for pos in range(max(start, end - self.window), end):
                 self._save_query(seq, pos)
-        self.expected[rid] = [self._entry(seq, pos, tokens) for pos in range(end)]
+        self.expected[rid] = list(expected) + new
 
     def _write_decode(self, seq: Sequence, holders, input_token: int) -> None:
         rid = seq.request_id
@@ -584,6 +593,7 @@ class CheckingRunner:
         bs, reads = self.block_size, []
         for i, task in enumerate(tasks):
             seq, rid = task.seq, task.seq.request_id
+            self.prefill_compactions += seq.prefilling  # between two chunks of its prompt
             self.seqs[rid] = seq
             self._check_window(task)
             expected = self.expected.get(rid)

@@ -154,3 +154,49 @@ def test_token_budget_below_the_context_needs_chunking():
         whole.resolve(8192)
     with pytest.raises(ValueError, match="enable_chunked_prefill must be True or False, got 'yes'"):
         SchedulerConfig(enable_chunked_prefill="yes")
+
+
+def test_prompt_longer_than_the_cache_is_compressed_between_chunks(checkpoint_dir):
+    """With compression, a prompt the cache cannot hold whole is compressed between its chunks
+    ("long", the default); with prefill compression off it is refused with the limit named."""
+    import torch
+
+    from zipage import CompressionConfig
+    from zipage.models.registry import spec_from_config
+    from zipage.runner.kv_cache import bytes_per_block
+    from zipage.utils.loader import load_config
+
+    model_dir = checkpoint_dir("qwen3")
+    per_block = bytes_per_block(spec_from_config(load_config(model_dir)), 16, torch.float32)
+    results = {}
+    for mode in ("long", "off"):
+        llm = make_llm(model_dir, block_size=16, max_model_len=512, kv_cache_memory_bytes=12 * per_block,
+                       max_num_batched_tokens=40, compression=CompressionConfig(kv_budget_tokens=32, window=8,
+                                                                                prefill_compression=mode))
+        num_blocks = llm.engine.block_manager.num_blocks  # what the query and score caches leave
+        assert 6 <= num_blocks <= 12 and num_blocks * 16 < 400
+        vocab = llm.engine.vocab_size
+        long_prompt, short_prompt = _prompts(18, vocab, [400, 30])
+        if mode == "off":
+            with pytest.raises(ValueError, match=f"prompt has 400 tokens; the KV cache holds prompts of at most "
+                                                 f"{num_blocks * 16 - 16} tokens"):
+                llm.generate([long_prompt], _greedy(), use_tqdm=False)
+            continue
+        engine = llm.engine
+        engine.add_request(long_prompt, _greedy(max_tokens=30), request_id="long")
+        engine.add_request(short_prompt, _greedy(max_tokens=30), request_id="short")
+        seq = engine._requests["long"]
+        assert seq.compress_prefill and not engine._requests["short"].compress_prefill
+        most = 0
+        done = {}
+        while engine.has_unfinished_requests():
+            outputs, _ = engine.step()
+            done.update((o.request_id, o) for o in outputs if o.finished)
+            most = max(most, len(seq.block_table))
+        # N = 3 blocks plus one chunk of 40 tokens (3 blocks): never the 25 blocks of the whole prompt.
+        assert most <= 3 + 3
+        assert seq.metrics.num_compressions >= 10
+        results = done
+        assert [len(done[r].outputs[0].token_ids) for r in ("long", "short")] == [30, 30]
+        assert_pool_full(llm)
+    assert results

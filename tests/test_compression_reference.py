@@ -30,6 +30,17 @@ def _rotate_half(x):
     return torch.cat([-x2, x1], dim=-1)
 
 
+class _NeverFull:
+    """A config whose budget ``step`` never finds full (tokens within one chunk)."""
+
+    def __init__(self, config):
+        self._config = config
+        self.max_blocks_per_seq = float("inf")
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
 class ReferenceCompressedDecoder:
     """One request, one token at a time, with per-(layer, KV head) caches and float64 scoring."""
 
@@ -89,6 +100,20 @@ class ReferenceCompressedDecoder:
                                                           dtype=torch.float64)], dim=-1)
         return self.hf.lm_head(m.norm(x))[0, 0]
 
+    @torch.no_grad()
+    def chunk(self, tokens: list[int], start: int) -> torch.Tensor:
+        """Cache a prompt chunk (positions ``start``...), compressing first if the budget is full,
+        as the engine does between the chunks of a prompt; the logits of its last token."""
+        if self.kv_len >= self.config.max_blocks_per_seq * BLOCK:
+            self.compress()
+        limit, self.config = self.config, _NeverFull(self.config)  # no compression inside the chunk
+        try:
+            for i, token in enumerate(tokens):
+                logits = self.step(token, start + i)
+        finally:
+            self.config = limit
+        return logits
+
     def compress(self) -> None:
         cfg, n, w = self.config, self.kv_len, self.config.window
         keep = cfg.kv_budget_tokens
@@ -110,6 +135,19 @@ class ReferenceCompressedDecoder:
         self.num_compressions += 1
 
 
+def _engine_keeping_logits(model_dir: str, config: CompressionConfig, **options):
+    """An engine and the list of every ``compute_logits`` result it makes. Eager: a CUDA graph
+    replay would bypass ``compute_logits``; without asynchronous scheduling each step returns
+    its own token, checked in lock step."""
+    llm = make_llm(model_dir, block_size=BLOCK, compression=config, enforce_eager=True, async_scheduling=False,
+                   **options)
+    model = llm.engine.runner.model
+    captured = []
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda hidden: captured.append(compute_logits(hidden)) or captured[-1]
+    return llm, captured
+
+
 @pytest.mark.parametrize("arch, redundancy, keep_prompt", [
     ("qwen3", "lightning", False), ("llama", "raw", False), ("qwen2", "off", False), ("qwen3", "lightning", True),
     ("qwen3_moe", "lightning", False)])
@@ -118,16 +156,8 @@ def test_engine_matches_reference_simulation(checkpoint_dir, arch, redundancy, k
     config = CompressionConfig(max_blocks_per_seq=4, window=8, redundancy=redundancy, attention_sink=2,
                                keep_prompt=keep_prompt,
                                asynchronous=False)  # a compressed request decodes in the same step
-    # eager: the logits are captured from compute_logits, which a CUDA graph replay bypasses;
-    # without asynchronous scheduling each step returns its own token, checked in lock step
-    llm = make_llm(model_dir, block_size=BLOCK, compression=config, enforce_eager=True,
-                   async_scheduling=False)
-    resolved = llm.config.compression
-    engine = llm.engine
-    model = engine.runner.model
-    captured = []
-    compute_logits = model.compute_logits
-    model.compute_logits = lambda hidden: captured.append(compute_logits(hidden)) or captured[-1]
+    llm, captured = _engine_keeping_logits(model_dir, config)
+    resolved, engine = llm.config.compression, llm.engine
 
     rng = random.Random(5)
     prompt = [rng.randrange(3, engine.vocab_size) for _ in range(21)]
@@ -162,3 +192,46 @@ def test_engine_matches_reference_simulation(checkpoint_dir, arch, redundancy, k
         if finished:
             assert finished[0].outputs[0].token_ids == tokens[len(prompt):]
     assert ref.num_compressions >= 3 and compared_scores
+
+
+def test_prompt_compressed_between_chunks_matches_reference_simulation(checkpoint_dir):
+    """A prompt of 150 tokens in chunks of 24 under a budget of 3 blocks of 16: compressed
+    between its chunks (each compression's window: the last chunk's last 8 queries), then
+    while decoding; the engine's logits after the prompt and at every decode step equal the
+    float64 simulation's, and the compressions happen at the same points."""
+    model_dir = checkpoint_dir("qwen3")
+    config = CompressionConfig(max_blocks_per_seq=4, window=8, attention_sink=2, asynchronous=False,
+                               prefill_compression="always")
+    llm, captured = _engine_keeping_logits(model_dir, config, max_num_batched_tokens=24)
+    resolved, engine = llm.config.compression, llm.engine
+
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, engine.vocab_size) for _ in range(150)]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), request_id="r")
+    seq = engine._requests["r"]
+    assert seq.compress_prefill
+    ref = ReferenceCompressedDecoder(model_dir, resolved, len(prompt))
+    most_blocks, prefill_compressions = 0, 0
+    while seq.prefilling or seq.num_output_tokens == 0:
+        engine.step()
+        start, n = seq.chunk
+        ref_logits = ref.chunk(prompt[start:start + n], start)
+        assert seq.metrics.num_compressions == ref.num_compressions, "compression trigger differs"
+        most_blocks = max(most_blocks, len(seq.block_table))
+        prefill_compressions = ref.num_compressions
+    assert prefill_compressions >= 3 and most_blocks <= 4 + 2  # N blocks plus one chunk's
+    engine_logits = captured[-1][-1].double().cpu()
+    err = (engine_logits - ref_logits).abs().max().item()
+    assert err < 1e-4, f"logits after the prompt differ by {err}"
+    tokens = list(prompt) + [int(engine_logits.argmax())]
+    assert tokens[-1] == int(ref_logits.argmax())
+    while engine.has_unfinished_requests():
+        ref_logits = ref.step(tokens[-1], len(tokens) - 1)
+        engine.step()
+        engine_logits = captured[-1][-1].double().cpu()
+        assert seq.metrics.num_compressions == ref.num_compressions, "compression trigger differs"
+        err = (engine_logits - ref_logits).abs().max().item()
+        assert err < 1e-4, f"logits differ by {err} at position {len(tokens) - 1}"
+        tokens.append(int(engine_logits.argmax()))
+        assert tokens[-1] == int(ref_logits.argmax())
+    assert ref.num_compressions > prefill_compressions

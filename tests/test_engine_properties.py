@@ -82,6 +82,7 @@ class Workload:
     max_num_batched_tokens_extra: int
     requests: list[Request] = field(default_factory=list)
     chunk: int | None = None  # chunked prefill with this token budget per step; None: whole prompts
+    prefill_compression: str = "long"  # CompressionConfig's, with chunks
 
     @property
     def max_model_len(self) -> int:
@@ -177,7 +178,8 @@ def workloads(draw, compress: bool | None = None) -> Workload:
                     compression=compression, query_slots=M,
                     delays=draw(st.lists(st.integers(0, 3), min_size=1, max_size=3)),
                     max_num_batched_tokens_extra=draw(st.integers(0, 40)), requests=reqs,
-                    chunk=draw(st.one_of(st.none(), st.integers(1, 3 * bs), st.integers(1, 40))))
+                    chunk=draw(st.one_of(st.none(), st.integers(1, 3 * bs), st.integers(1, 40))),
+                    prefill_compression=draw(st.sampled_from(["long", "always", "off"])))
 
 
 # -- driving the engine --------------------------------------------------------------------------
@@ -221,7 +223,8 @@ def build_engine(model_dir: str, workload: Workload, async_scheduling: bool, num
         max_num_batched_tokens=(workload.chunk if workload.chunk is not None
                                 else workload.max_model_len + workload.max_num_batched_tokens_extra),
         enable_chunked_prefill=workload.chunk is not None, async_scheduling=async_scheduling,
-        compression=CompressionConfig(**workload.compression) if workload.compression else None)
+        compression=(CompressionConfig(**workload.compression, prefill_compression=workload.prefill_compression
+                                       if workload.chunk is not None else "long") if workload.compression else None))
     runner = CheckingRunner(config, num_blocks, workload.query_slots, compression_delays=workload.delays)
     engine = LLMEngine(config, runner=runner)
     runner.attach(engine.block_manager)
@@ -249,6 +252,12 @@ def check_state(engine, runner) -> None:
         assert len(set(table)) == len(table), f"request {seq.request_id} holds a block twice: {table}"
         holders.update(table)
         runner.check_cache(seq)
+        if seq.compress_prefill and seq.prefilling:  # at most N blocks plus one chunk, and a slot
+            chunk_blocks = -(-engine.config.scheduler.max_num_batched_tokens // bm.block_size)
+            hit_blocks = seq.num_prefix_hit_tokens // bm.block_size  # shared blocks served by the prefix cache
+            assert len(table) <= max(seq.max_blocks + chunk_blocks, hit_blocks + chunk_blocks + 1), \
+                f"request {seq.request_id} holds {len(table)} blocks while its prompt is compressed between chunks"
+            assert seq.query_slot is not None, f"request {seq.request_id} compresses its prompt without a slot"
     for task in compressing:
         assert task.seq in sched.running, f"request {task.seq.request_id} is compressed but not running"
         holders.update(task.pending_release)
@@ -356,6 +365,34 @@ def test_engine_loop_keeps_its_invariants_and_matches_the_synchronous_engine(mod
     record_events(workload, outputs, engine, runner)
 
 
+@st.composite
+def prefill_compression_workloads(draw) -> Workload:
+    """Compressed workloads in small chunks whose compressing requests often have prompts longer
+    than N blocks: compressed between their chunks ("always"), or when the cache cannot hold
+    them whole ("long")."""
+    wl = draw(workloads(compress=True))
+    bs, n = wl.block_size, wl.compression["kv_budget_tokens"] // wl.block_size + 1
+    for r in wl.requests:
+        if r.params.get("compression") is not False and draw(st.booleans()):
+            extra = draw(st.integers(n * bs - len(r.prompt), (n + 3) * bs))
+            r.prompt = r.prompt + draw(st.lists(st.integers(3, 383), min_size=max(0, extra), max_size=max(0, extra)))
+    return dataclasses.replace(wl, chunk=draw(st.integers(1, 2 * bs)),
+                               prefill_compression=draw(st.sampled_from(["always", "long"])))
+
+
+@settings(max_examples=max(EXAMPLES // 2, 1), **PROPERTY_SETTINGS)
+@given(workload=prefill_compression_workloads())
+def test_prompts_compressed_between_chunks_keep_the_invariants(model_dir, workload):
+    """As above, with prompts compressed between their chunks: each chunk caches its KV behind
+    the kept tokens, a compaction reads the chunk's window, and a request holds at most N blocks
+    plus one chunk while it is prefilled."""
+    expected = reference(model_dir, workload)
+    outputs, engine, runner = run(model_dir, workload, async_scheduling=workload.async_scheduling,
+                                  num_blocks=workload.num_blocks)
+    compare(workload, outputs, expected)
+    record_events(workload, outputs, engine, runner)
+
+
 def record_events(workload: Workload, outputs: Outputs, engine, runner) -> None:
     """What an example exercised (``--hypothesis-show-statistics``)."""
     event("asynchronous scheduling" if workload.async_scheduling else "synchronous scheduling")
@@ -363,6 +400,8 @@ def record_events(workload: Workload, outputs: Outputs, engine, runner) -> None:
         event("chunked prefill")
         if any(len(r.prompt) > workload.chunk for r in workload.requests):
             event("a prompt in several chunks")
+    if runner.prefill_compactions:
+        event("compressed between prompt chunks")
     if engine.scheduler.num_preemptions:
         event("preempted")
     if any(incarnation for _, incarnation, _ in runner.pooled):

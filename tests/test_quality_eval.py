@@ -218,3 +218,21 @@ def test_demo_runs_the_trained_model(one_thread, capsys):
     assert len(verdict) == 1 and "less KV memory per request" in verdict[0] and "(full KV: 2/2)" in verdict[0]
     with open(os.path.join(CHECKPOINT, "training.json")) as f:
         assert json.load(f)["held_out"]["accuracy"] >= 0.9
+
+
+def test_prompt_whole_against_compressed_between_chunks(tiny_synthetic_model, one_thread):
+    """The settings of how a prompt meets the budget, on tiny retrieval problems prefilled in
+    chunks of 16 tokens: cached whole then compressed, or compressed between chunks."""
+    record = qeval.run_synthetic(tiny_synthetic_model, num_problems=2, budgets=[0.25], task="retrieval-tiny",
+                                 device="cpu", block_size=16, window=8, log=lambda *_: None,
+                                 settings=["prompt_whole", "prefill"], max_num_batched_tokens=16)
+    assert [r.get("setting", r["policy"]) for r in record["runs"]] == ["full", "prompt_whole", "prefill"]
+    assert record["settings"]["compared"]["prefill"]["prefill_compression"] == "always"
+    assert record["settings"]["max_num_batched_tokens"] == 16
+    whole, prefill = record["runs"][1:]
+    budget = whole["budget_tokens"]
+    assert record["settings"]["min_length"] > 2 * budget  # prompts well beyond the budget
+    # Prefilled whole, a prompt holds all its blocks until its first decode step; compressed
+    # between chunks, never more than the budget's blocks plus one chunk and the working block.
+    assert prefill["peak_kv_bytes_max"] <= whole["peak_kv_bytes_max"]
+    assert prefill["compressions"] > whole["compressions"] > 0

@@ -47,6 +47,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--redundancy", default="lightning", choices=["lightning", "raw", "off"])
     c.add_argument("--keep-prompt", action="store_true",
                    help="never evict a request's prompt tokens (up to half the budget)")
+    c.add_argument("--prefill-compression", default="long", choices=["long", "always", "off"],
+                   help="compress a prompt between its chunks: only one too long to be cached whole (long), "
+                        "every prompt that reaches the budget (always: a request then never holds more than "
+                        "its budget plus one chunk), or never (off: prompts are cached whole)")
 
 
 def add_trust_remote_code_arg(parser) -> None:
@@ -60,7 +64,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     compression = None
     if args.kv_budget_tokens is not None:
         compression = CompressionConfig(kv_budget_tokens=args.kv_budget_tokens, window=args.compression_window,
-                                        redundancy=args.redundancy, keep_prompt=args.keep_prompt)
+                                        redundancy=args.redundancy, keep_prompt=args.keep_prompt,
+                                        prefill_compression=getattr(args, "prefill_compression", "long"))
     return dict(compression=compression, device=args.device, dtype=args.dtype, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,

@@ -117,6 +117,10 @@ REDUNDANCY_MODES = ("lightning", "raw", "off")
 # every compression, no history or redundancy), "recency" (StreamingLLM-like: the ``attention_sink``
 # first tokens and the most recent ones) or "random" (uniform random eviction, fixed seed).
 POLICIES = ("zipage", "attention", "recency", "random")
+# When a prompt is compressed while it is prefilled in chunks (chunked prefill): "long" (only a
+# prompt too long to be cached whole), "always" (every prompt that reaches N blocks: a request
+# never holds more than N blocks plus one chunk) or "off" (prompts are cached whole, then compressed).
+PREFILL_COMPRESSION = ("long", "always", "off")
 
 
 @dataclass
@@ -146,6 +150,7 @@ class CompressionConfig:
     hybrid: bool = True  # query slots from memory; requests without one decode while far from compressing
     query_slots: int | None = None  # fixes M instead of deriving it from memory
     policy: str = "zipage"  # or a baseline: "attention", "recency", "random" (see POLICIES)
+    prefill_compression: str = "long"  # see PREFILL_COMPRESSION
 
     def __post_init__(self):
         _check(self.kv_budget_tokens is not None or self.max_blocks_per_seq is not None,
@@ -180,6 +185,8 @@ class CompressionConfig:
         _check(self.query_slots is None or (_is_int(self.query_slots) and self.query_slots >= 1),
                f"query_slots must be a positive integer or None, got {self.query_slots!r}")
         _check(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        _check(self.prefill_compression in PREFILL_COMPRESSION,
+               f"prefill_compression must be one of {PREFILL_COMPRESSION}, got {self.prefill_compression!r}")
 
     def resolve(self, block_size: int) -> None:
         """Fix N and k for the cache's block size and check what depends on it.
@@ -294,6 +301,9 @@ class EngineConfig:
         if self.compression is not None:  # a copy: the caller's object may serve other engines
             self.compression = replace(self.compression)
             self.compression.resolve(self.cache.block_size)
+            _check(self.compression.prefill_compression != "always" or self.scheduler.enable_chunked_prefill,
+                   "prefill_compression='always' compresses prompts between their chunks: it needs "
+                   "enable_chunked_prefill=True")
         if self.scheduler.max_model_len is not None:
             self._check_budget_fits()
 

@@ -78,7 +78,9 @@ def plan_compression(seq: Sequence, bm: BlockManager, config: CompressionConfig,
         seq=seq, source_blocks=sources, target_blocks=targets, num_tokens=num_tokens, keep=seq.kv_len,
         pending_release=pending,
         num_previous=seq.num_scored_tokens,
-        last_position=seq.num_tokens - 2,  # the newest token (last sampled) is not cached yet
+        # The newest cached token: a prompt's last computed one between chunks; while decoding the
+        # one before the last sampled (which is not cached yet).
+        last_position=seq.num_computed - 1 if seq.prefilling else seq.num_tokens - 2,
         # Scores are fresh at the first compression since the cache was (re)computed: pool them.
         pool=config.pooling_width is not None and (seq.num_scored_tokens == 0 or config.pool_every_compression),
         protected=config.protected_tokens(seq.num_prompt_tokens, num_targets * bm.block_size))

@@ -134,12 +134,18 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether ``seq`` (waiting) can get blocks for all its tokens now."""
+        return self.allocatable_tokens(seq) >= seq.num_tokens
+
+    def allocatable_tokens(self, seq: Sequence) -> int:
+        """How many leading tokens of ``seq`` (waiting) could get blocks now: its cached prefix
+        and what the free pool holds beyond the cached blocks it would take back."""
         cached = self._cached_prefix(seq)
         revived = sum(1 for b in cached if self.ref_counts[b] == 0)  # cached but in the free pool
-        return self._blocks_for(seq.num_tokens) - len(cached) + revived <= self.num_free_blocks
+        return (len(cached) + self.num_free_blocks - revived) * self.block_size
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks."""
+    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Give ``seq`` blocks for its first ``num_tokens`` tokens (default: all), reusing cached
+        prefix blocks."""
         assert len(seq.block_table) == 0, f"{seq} already holds blocks"
         seq.kv_is_token_prefix = True
         cached = self._cached_prefix(seq)
@@ -148,7 +154,8 @@ class BlockManager:
                 del self.free_blocks[block_id]
             self.ref_counts[block_id] += 1
             seq.block_table.append(block_id)
-        for _ in range(self._blocks_for(seq.num_tokens) - len(cached)):
+        upto = seq.num_tokens if num_tokens is None else num_tokens
+        for _ in range(self._blocks_for(upto) - len(cached)):
             seq.block_table.append(self._take_free_block())
         seq.num_prefix_hit_tokens = len(cached) * self.block_size
         seq.num_registered_blocks = len(cached)
@@ -156,6 +163,15 @@ class BlockManager:
         seq.prefilling = True
         self.prefix_hit_tokens += seq.num_prefix_hit_tokens
         self.prefix_query_tokens += seq.num_tokens
+
+    def room(self, seq: Sequence) -> int:
+        """Tokens ``seq`` could cache beyond ``kv_len`` now: the rest of its blocks and the free pool."""
+        return (len(seq.block_table) + self.num_free_blocks) * self.block_size - seq.kv_len
+
+    def extend(self, seq: Sequence, num_tokens: int) -> None:
+        """Give ``seq`` the blocks its next ``num_tokens`` tokens need (a prompt taken chunk by chunk)."""
+        for _ in range(self._blocks_for(seq.kv_len + num_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._take_free_block())
 
     def schedule_chunk(self, seq: Sequence, num_tokens: int) -> None:
         """The step being built computes the next ``num_tokens`` of ``seq``'s prompt (allocated).

@@ -93,9 +93,13 @@ class LLMEngine:
         capacity = self.runner.num_blocks * config.cache.block_size
         # Without compression a request must fit the cache at full length; with it, only its
         # prompt must (prefilled whole, compressed at its first decode step).
-        self.max_prompt_tokens = config.scheduler.max_model_len - 1
+        # The longest prompt any request may have; with compression, a prompt cached whole (not
+        # compressed between its chunks, or a full-KV request's) must leave the cache a block.
+        self.max_prompt_tokens = self.max_whole_prompt_tokens = config.scheduler.max_model_len - 1
         if config.compression is not None:
-            self.max_prompt_tokens = min(self.max_prompt_tokens, capacity - config.cache.block_size)
+            self.max_whole_prompt_tokens = min(self.max_prompt_tokens, capacity - config.cache.block_size)
+            if config.compression.prefill_compression == "off" or not config.scheduler.enable_chunked_prefill:
+                self.max_prompt_tokens = self.max_whole_prompt_tokens
         elif config.scheduler.max_model_len > capacity:
             raise ValueError(f"max_model_len={config.scheduler.max_model_len} does not fit the KV cache "
                              f"({capacity} tokens); lower max_model_len or give the cache more memory")
@@ -165,14 +169,17 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
         max_len = self.config.scheduler.max_model_len
-        if len(token_ids) > self.max_prompt_tokens:
-            limit = (f"max_model_len={max_len} allows at most {max_len - 1} so that one token can be generated"
-                     if self.max_prompt_tokens == max_len - 1 else
-                     f"the KV cache holds prompts of at most {self.max_prompt_tokens} tokens")
-            raise ValueError(f"prompt has {len(token_ids)} tokens; {limit}")
         # Its own budget (ValueError if bad). A full-KV request grows with its length, so even beside
         # compressed ones it must fit the cache alone (to be recomputed after a preemption).
         full_kv = request_max_blocks(self.config.compression, self.config.cache.block_size, params) is None
+        # A compressed request whose prompt is compressed between its chunks needs no room for it whole.
+        max_prompt = self.max_whole_prompt_tokens if full_kv else self.max_prompt_tokens
+        if len(token_ids) > max_prompt:
+            limit = (f"max_model_len={max_len} allows at most {max_len - 1} so that one token can be generated"
+                     if max_prompt == max_len - 1 else
+                     f"the KV cache holds prompts of at most {max_prompt} tokens (compressed prompts can be "
+                     "longer with chunked prefill and prefill_compression 'long' or 'always')")
+            raise ValueError(f"prompt has {len(token_ids)} tokens; {limit}")
         room = (min(max_len, self.scheduler.max_recompute_tokens) if full_kv else max_len) - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if request_id is None:

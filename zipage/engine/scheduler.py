@@ -9,6 +9,12 @@ it completes in the prefix cache. Only a prompt's last chunk samples a token. Wi
 chunked prefill a step is either one batched prefill of whole prompts or one decode step
 (prefill goes first, as in vLLM's scheduling without chunked prefill).
 
+A prompt compressed between its chunks (``CompressionConfig.prefill_compression``; by
+default only a prompt too long to be cached whole) needs a query slot to be admitted,
+takes its blocks chunk by chunk, and before each chunk compresses once it holds N full
+blocks, as a decoding request does (the observation window: the last ``window`` prompt
+tokens computed), so it never holds more than N blocks plus one chunk.
+
 With compression, a decode step also plans compactions (``compression/planner.py``)
 and follows the hybrid scheduling of Compressed PagedAttention:
 
@@ -135,7 +141,21 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.max_blocks = request_max_blocks(self.compression, self.block_manager.block_size, seq.sampling_params)
+        seq.compress_prefill = self._compresses_prefill(seq)
         self.waiting.append(seq)
+
+    def _compresses_prefill(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prompt is compressed between its chunks (see the module's docstring)."""
+        if seq.max_blocks is None or not self.config.enable_chunked_prefill:
+            return False
+        mode = self.compression.prefill_compression
+        # "long": a prompt the cache cannot hold whole (the engine's limit for whole prompts).
+        return mode == "always" or (mode == "long" and seq.num_prompt_tokens > self.max_whole_prompt_tokens)
+
+    @property
+    def max_whole_prompt_tokens(self) -> int:
+        """The longest prompt cached whole before it is compressed: the cache less one block."""
+        return self.max_recompute_tokens - self.block_manager.block_size
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -148,6 +168,8 @@ class Scheduler:
         if batch is None:
             batch = self._schedule_decode()
             chunks = self._schedule_chunks(self.config.max_num_batched_tokens - len(batch.seqs)) if chunked else []
+            if self.compressions is not None:  # with those planned before prompt chunks
+                batch.compressions = self.compressions.planned
             if (not batch.seqs and not chunks and not batch.compressions and self.compression is not None
                     and not self.compressions.busy and self.running and self.hybrid):
                 earlier = batch.preempted  # nobody could move: slot holders may go too
@@ -180,16 +202,17 @@ class Scheduler:
 
     # -- prefill --------------------------------------------------------------
     def _can_admit(self, seq: Sequence) -> bool:
-        """Whether the request at the head of the line can be admitted now."""
+        """Whether the request at the head of the line can be admitted now (with all its blocks)."""
         if seq.num_pending or not self.block_manager.can_allocate(seq):
             return False  # (a request this schedule preempted may still have a token in flight)
         # A prompt that reaches into a compression window needs a slot.
         return (self.compression is None or bool(self.free_query_slots)
                 or self._may_run_without_slot(seq, seq.num_tokens))
 
-    def _admit(self, seq: Sequence) -> None:
-        """Give the head of the line its blocks (and a query slot, if one is free): it runs."""
-        self.block_manager.allocate(seq)
+    def _admit(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Give the head of the line blocks for its first ``num_tokens`` tokens (default: all), and a
+        query slot if one is free: it runs."""
+        self.block_manager.allocate(seq, num_tokens)
         self.waiting.popleft()
         seq.status = SequenceStatus.RUNNING
         if self.compression is not None and self.free_query_slots and seq.max_blocks is not None:
@@ -218,23 +241,56 @@ class Scheduler:
         then newly admitted requests."""
         bm, chunks = self.block_manager, []
         for seq in self.running:
+            if not seq.prefilling or seq.status is not SequenceStatus.RUNNING or self._compressing(seq):
+                continue  # decoding, preempted by this schedule, or being compressed
+            if seq.compress_prefill and needs_compression(seq, bm):
+                if not self._plan_prefill_compression(seq) or self.asynchronous:
+                    continue  # its next chunk waits for the compaction (or for room to plan it)
             if budget <= 0:
-                return chunks
-            if seq.prefilling and seq.status is SequenceStatus.RUNNING:
-                n = min(budget, len(seq.token_ids) - seq.num_computed)
-                bm.schedule_chunk(seq, n)
-                chunks.append(seq)
-                budget -= n
+                continue
+            n = min(budget, len(seq.token_ids) - seq.num_computed)
+            if seq.compress_prefill:  # its blocks come chunk by chunk
+                n = min(n, bm.room(seq))
+                if n <= 0:
+                    continue  # waits for blocks
+                bm.extend(seq, n)
+            bm.schedule_chunk(seq, n)
+            chunks.append(seq)
+            budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.first()
-            if not self._can_admit(seq):
+            if seq.compress_prefill:
+                # Blocks for its first chunk only; it needs a slot to compress between chunks.
+                if seq.num_pending or not self.free_query_slots:
+                    break
+                start = bm.cached_prefix_tokens(seq)
+                n = min(budget, len(seq.token_ids) - start, bm.allocatable_tokens(seq) - start)
+                if n <= 0:
+                    break
+                self._admit(seq, start + n)
+            elif self._can_admit(seq):
+                self._admit(seq)
+                n = min(budget, len(seq.token_ids) - seq.num_computed)
+            else:
                 break
-            self._admit(seq)
-            n = min(budget, len(seq.token_ids) - seq.num_computed)
             bm.schedule_chunk(seq, n)
             chunks.append(seq)
             budget -= n
         return chunks
+
+    def _plan_prefill_compression(self, seq: Sequence) -> bool:
+        """Plan the compaction of a prompt between two chunks, as decoding requests are planned
+        (one asynchronous batch at a time, within its block cap); False if it must wait."""
+        compressions, bm = self.compressions, self.block_manager
+        if self.asynchronous:
+            planned = sum(len(task.source_blocks) for task in compressions.planned)
+            if compressions.busy or (planned and planned + len(seq.block_table)
+                                     > self.compression.max_blocks_per_compression):
+                return False
+        if not bm.can_compact(seq, seq.max_blocks - 1):
+            return False
+        compressions.plan(seq)
+        return True
 
     # -- decode ---------------------------------------------------------------
     def _compressing(self, seq: Sequence) -> bool:

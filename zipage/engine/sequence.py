@@ -57,6 +57,9 @@ class Sequence:
         self.prefilling = False
         self.num_computed = 0
         self.chunk: tuple[int, int] | None = None
+        # Compressed between its prompt's chunks (``CompressionConfig.prefill_compression``): its
+        # blocks are taken chunk by chunk, and it compresses before a chunk once it holds N full blocks.
+        self.compress_prefill = False
         self.kv_is_token_prefix = True  # False once compaction reorders the cache: no prefix caching
         # compression state (whether a compaction is in flight: ``Compressions.is_compressing``)
         self.max_blocks: int | None = None  # N of its own budget; None: full KV (the scheduler sets it)

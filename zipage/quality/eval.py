@@ -61,6 +61,10 @@ SETTINGS = {
     "pool": dict(pool_every_compression=True),
     "block_window": dict(window="block"),
     "tuned": dict(keep_prompt=True, pool_every_compression=True, window="block"),
+    # How a prompt meets the budget (with --max-num-batched-tokens below the prompts' length): cached
+    # whole and compressed at the first decode step, or compressed between its prefill chunks.
+    "prompt_whole": dict(prefill_compression="off"),
+    "prefill": dict(prefill_compression="always"),
 }
 
 
@@ -225,7 +229,7 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
                   kv_cache_memory_bytes: int | None = None, log=print, keep_prompt: bool = False,
                   pool_every_compression: bool = False, on_run=None, settings=None, kv_cache_dtype: str = "auto",
                   quantization: str | None = None, reference: dict | None = None,
-                  keep_tokens: bool = False) -> dict:
+                  keep_tokens: bool = False, max_num_batched_tokens: int | None = None) -> dict:
     """Full KV, then every (policy, budget); returns the record written to ``synthetic.json``.
     ``policies`` defaults to ``DEFAULT_POLICIES``.
     ``keep_prompt``: every policy keeps the problem statement (``CompressionConfig.keep_prompt``);
@@ -237,7 +241,8 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
     ``kv_cache_dtype`` / ``quantization``: run with an FP8 KV cache and/or FP8 weights, and score
     each run's greedy-token agreement with the unquantized run of the same configuration, taken
     from ``reference`` ({run key: token ids per problem}, ``tokens.json``) or run here.
-    ``keep_tokens``: the record's ``tokens`` holds every run's token ids by run key."""
+    ``keep_tokens``: the record's ``tokens`` holds every run's token ids by run key.
+    ``max_num_batched_tokens``: the engines' token budget per step, so the prompt chunk (chunked prefill)."""
     from zipage import CompressionConfig
     from zipage.utils.loader import load_tokenizer
 
@@ -260,6 +265,8 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
     mean_length = sum(e.length for e in encoded) / len(encoded)
     common = dict(device=device, block_size=block_size, dtype=dtype, max_num_seqs=max_num_seqs,
                   kv_cache_memory_bytes=kv_cache_memory_bytes)
+    if max_num_batched_tokens is not None:
+        common["max_num_batched_tokens"] = max_num_batched_tokens
     quantized = kv_cache_dtype != "auto" or quantization is not None
     run_tokens: dict[str, list[list[int]]] = {}  # run key -> token ids per problem
 
@@ -285,7 +292,8 @@ def run_synthetic(model_dir: str, num_problems: int = 200, budgets=DEFAULT_BUDGE
                            recency_sink=RECENCY_SINK, keep_prompt=keep_prompt,
                            pool_every_compression=pool_every_compression, mean_length=mean_length,
                            min_length=min(e.length for e in encoded), max_length=max(e.length for e in encoded),
-                           device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+                           device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                           max_num_batched_tokens=max_num_batched_tokens)
     if settings is not None:
         record_settings["compared"] = {name: options for name, (_, options) in variants.items()}
     for fraction in budgets:
@@ -508,6 +516,9 @@ def add_eval_parser(sub) -> None:
     s.add_argument("--dtype", default="auto")
     s.add_argument("--max-num-seqs", type=int, default=None)
     s.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step, so the prompts' chunk size (with --settings prompt_whole,prefill: "
+                        "below the prompts' length, so that prompts are prefilled in several chunks)")
     s.add_argument("--keep-prompt", action="store_true",
                    help="every policy keeps the problem statement (the prompt, up to half the budget)")
     s.add_argument("--pool-every-compression", action="store_true",
@@ -553,7 +564,7 @@ def _run_synthetic(args: argparse.Namespace) -> int:
                            keep_prompt=args.keep_prompt, pool_every_compression=args.pool_every_compression,
                            settings=settings, on_run=lambda partial: write(partial, args.out, plot_too=False),
                            kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, reference=reference,
-                           keep_tokens=args.save_tokens)
+                           keep_tokens=args.save_tokens, max_num_batched_tokens=args.max_num_batched_tokens)
     write(record, args.out)
     print("\n" + table(record))
     print(f"\nwrote synthetic.json, synthetic.md and synthetic.png{' and tokens.json' if args.save_tokens else ''} "
