@@ -92,37 +92,140 @@ def test_block_dequantize_and_requantize_error():
     assert checkpoint_error < 0.03 and extra < 0.03, (checkpoint_error, extra)
 
 
-# -- the kernel ---------------------------------------------------------------------
-KERNEL_CASES = [  # (M, N, K, config or None: the heuristic)
-    (1, 96, 256, None),  # the heuristic splits K (4 "SMs" under the interpreter)
-    (5, 70, 200, (16, 32, 64, 3)),  # ragged N and K, three K splits
-    (33, 64, 384, (64, 64, 128, 2)),
+# -- the kernels ----------------------------------------------------------------------
+# (M, N, K, config fields or None: the heuristic). Every path: the K loop with and without a
+# K remainder (EVEN_K), N tiles with and without a remainder (EVEN_N), one K split (the
+# store) and several (the float32 partials, the last split's sum), both orientations
+# (swap_ab), M = 1, M not a power of two, several M tiles, with and without a bias.
+KERNEL_CASES = [
+    (1, 96, 256, None),  # the heuristic: splits K (4 "SMs" under the interpreter)
+    (5, 70, 200, dict(block_m=16, block_n=32, block_k=64, split_k=3)),  # ragged N and K, 3 splits
+    (5, 70, 200, dict(block_m=16, block_n=32, block_k=64, split_k=3, swap_ab=True)),
+    (1, 64, 384, dict(block_m=16, block_n=64, block_k=128, split_k=1, swap_ab=True)),  # even, one split
+    (33, 64, 384, dict(block_m=64, block_n=64, block_k=128, split_k=2)),
+    (20, 48, 320, dict(block_m=16, block_n=16, block_k=64, split_k=2, swap_ab=True)),  # two M tiles
     (64, 128, 128, None),
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:3])))
-def test_w8a16_kernel_matches_twin_and_reference(case, dtype):
-    require_triton()
-    from zipage.kernels.fp8_linear import W8A16Config, w8a16_linear, w8a16_linear_torch
-
-    _needs_kernel_device()
-    m, n, k, config = case
+def _kernel_problem(m, n, k, dtype, bias):
     seed = m * 1000 + n + k
     x = _random(m, k, seed=seed, dtype=dtype).to(KERNEL_DEVICE)
     weight, scale = quant.quantize_rows(_random(n, k, seed=seed + 1).to(KERNEL_DEVICE) * 0.05)
-    bias = _random(n, seed=seed + 2, dtype=dtype).to(KERNEL_DEVICE) if m % 2 else None
-    out = w8a16_linear(x, weight, scale, bias, W8A16Config(*config) if config else None)
-    twin = w8a16_linear_torch(x, weight, scale, bias)
+    b = _random(n, seed=seed + 2, dtype=dtype).to(KERNEL_DEVICE) if bias else None
+    return x, weight, scale, b
+
+
+def _reference(x, weight, scale, bias, x_scale=None):
     ref = (x.double() @ weight.double().t()) * scale.double()
-    if bias is not None:
-        ref = ref + bias.double()
+    if x_scale is not None:
+        ref = ref * x_scale.double()[:, None]
+    return ref if bias is None else ref + bias.double()
+
+
+def _config(fields):
+    from zipage.kernels.fp8_linear import W8A16Config
+
+    return W8A16Config(**fields) if fields else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:3])) + ("-swap" if c[3] and c[3].get(
+    "swap_ab") else ""))
+def test_w8a16_kernel_matches_twin_and_reference(case, dtype):
+    require_triton()
+    from zipage.kernels.fp8_linear import w8a16_linear, w8a16_linear_torch
+
+    _needs_kernel_device()
+    m, n, k, fields = case
+    x, weight, scale, bias = _kernel_problem(m, n, k, dtype, bias=m % 2 == 1)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=KERNEL_DEVICE)  # every element must be written
+    assert w8a16_linear(x, weight, scale, bias, _config(fields), out=out) is out
+    twin = w8a16_linear_torch(x, weight, scale, bias)
+    ref = _reference(x, weight, scale, bias)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     assert out.dtype == dtype and out.shape == (m, n)
     assert_close(out, ref, tolerance)
     assert_close(twin, ref, tolerance)
     assert_close(out, twin.double(), tolerance)
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:3])) + ("-swap" if c[3] and c[3].get(
+    "swap_ab") else ""))
+def test_w8a8_kernel_matches_twin(case):
+    """W8A8: the activations quantized per row by the kernel, then e4m3 x e4m3 products:
+    equal to the twin up to float32 summation order, within a few percent of the exact product."""
+    require_triton()
+    from zipage.kernels.fp8_linear import quantize_rows_fp8, w8a8_linear, w8a8_linear_torch
+
+    _needs_kernel_device()
+    m, n, k, fields = case
+    x, weight, scale, bias = _kernel_problem(m, n, k, torch.float16, bias=m % 2 == 0)
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device=KERNEL_DEVICE)
+    w8a8_linear(x, weight, scale, bias, _config(fields), out=out)
+    xq, x_scale = quantize_rows_fp8(x)
+    assert_close(out, _reference(xq, weight, scale, bias, x_scale), 2e-3)  # the same products, exactly
+    assert_close(w8a8_linear_torch(x, weight, scale, bias), _reference(xq, weight, scale, bias, x_scale), 2e-3)
+    assert_close(out, _reference(x, weight, scale, bias), 0.06)  # the activations' rounding: ~2-4%
+
+
+def test_quantize_rows_fp8_matches_twin():
+    """The kernel's rounding to e4m3 (ties to even, done in float32 before the cast) equals
+    torch's: on random rows of very different magnitudes, a row of zeros, and on every e4m3
+    value and the midpoints between neighbours (the ties) and values just beside them."""
+    require_triton()
+    from zipage.kernels.fp8_linear import quantize_rows_fp8, quantize_rows_fp8_torch
+
+    _needs_kernel_device()
+    x = _random(6, 3000, seed=11) * torch.logspace(-30, 3, 6)[:, None]
+    x[2] = 0
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[torch.isfinite(values)].sort().values
+    mids = (values[1:] + values[:-1]) / 2
+    grid = torch.cat([values, mids, mids * (1 + 1e-6), mids * (1 - 1e-6), torch.tensor([448.0])])
+    for rows in (x, grid[None, :]):
+        q, s = quantize_rows_fp8(rows.to(KERNEL_DEVICE))
+        q_twin, s_twin = quantize_rows_fp8_torch(rows.to(KERNEL_DEVICE))
+        assert torch.equal(s, s_twin)
+        assert torch.equal(q.float(), q_twin.float())  # as values: the kernel may write +0 for -0
+
+
+def test_split_k_is_deterministic_and_resets_its_counters():
+    """The last split of a tile sums the partials in split order: the same bits on every run;
+    the tile counters are back at zero after each launch (the next one relies on it)."""
+    require_triton()
+    from zipage.kernels import fp8_linear
+
+    _needs_kernel_device()
+    x, weight, scale, bias = _kernel_problem(3, 80, 512, torch.float32, bias=True)
+    config = fp8_linear.W8A16Config(16, 16, 64, 8)
+    first = fp8_linear.w8a16_linear(x, weight, scale, bias, config)
+    counters = fp8_linear._tile_counters(x.device)
+    assert int(counters.abs().sum()) == 0
+    for _ in range(2):
+        assert torch.equal(fp8_linear.w8a16_linear(x, weight, scale, bias, config), first)
+        assert torch.equal(fp8_linear.w8a8_linear(x, weight, scale, bias, config),
+                           fp8_linear.w8a8_linear(x, weight, scale, bias, config))
+    assert int(counters.abs().sum()) == 0
+
+
+def test_configs_are_functions_of_the_shapes():
+    """The heuristic, the table and the sweep's candidates: positive tiles, splits that leave
+    every split some K to do, and the same answer for the same shapes (CUDA-graph safe)."""
+    from zipage.kernels import fp8_linear
+
+    for variant in ("w8a16", "w8a8"):
+        for m in (1, 3, 16, 17, 64, 100, 128, 256, 300):
+            for n, k in ((6144, 4096), (4096, 12288), (70, 200)):
+                config = fp8_linear.choose_config(m, n, k, 132, variant)
+                assert config == fp8_linear.choose_config(m, n, k, 132, variant)
+                assert config.block_m >= 16 and config.split_k >= 1 and (config.split_k == 1 or k // config.block_k
+                                                                          >= config.split_k)
+                found = fp8_linear.candidates(m, n, k, 132, variant)
+                assert found and all(c.block_m >= min(16, m) and c.split_k >= 1 for c in found)
+    for (variant, bucket, n, k), config in fp8_linear.TUNED.items():
+        assert variant in ("w8a16", "w8a8") and bucket == fp8_linear.m_bucket(bucket)
+        assert fp8_linear.choose_config(bucket, n, k, fp8_linear.TUNED_SMS, variant) == config
 
 
 def test_fp8_linear_dequant_path_and_device_check():
@@ -162,7 +265,7 @@ def test_bench_linear_runs_every_method(tmp_path, monkeypatch):
     assert main(["bench", "linear", "--shape", "tiny", "--layers", "1", "--batch", "3", "--device", KERNEL_DEVICE.type,
                  "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["method"] for r in rows] == ["bf16", "w8a16", "scaled_mm", "auto"]
+    assert [r["method"] for r in rows] == ["bf16", "w8a16", "w8a8", "scaled_mm", "auto"]
     assert all(r["rel_err_vs_bf16"] is None or r["rel_err_vs_bf16"] < 0.05 for r in rows)
 
 
@@ -381,32 +484,65 @@ def _needs_fp8_gpu():
 
 
 @on_cuda
-@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("m", [1, 7, 64, 100, 256])
 @pytest.mark.parametrize("nk", [(6144, 4096), (4096, 12288), (200, 136)])
-def test_cuda_w8a16_kernel_bf16(m, nk):
-    from zipage.kernels.fp8_linear import w8a16_linear, w8a16_linear_torch
+def test_cuda_fp8_kernels_bf16(m, nk, variant):
+    from zipage.kernels import fp8_linear
 
     _needs_fp8_gpu()
     n, k = nk
     x = _random(m, k, seed=m, dtype=torch.bfloat16).cuda()
     weight, scale = quant.quantize_rows(_random(n, k, seed=n).cuda() * 0.02)
     bias = _random(n, seed=k, dtype=torch.bfloat16).cuda()
-    out = w8a16_linear(x, weight, scale, bias)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kernel = fp8_linear.w8a16_linear if variant == "w8a16" else fp8_linear.w8a8_linear
+    twin = fp8_linear.w8a16_linear_torch if variant == "w8a16" else fp8_linear.w8a8_linear_torch
+    kernel(x, weight, scale, bias, out=out)
     ref = (x.double() @ weight.double().t()) * scale.double() + bias.double()
-    assert_close(out, ref, 1e-2)
-    assert_close(out, w8a16_linear_torch(x, weight, scale, bias).double(), 1e-2)
+    assert_close(out, ref, 1e-2 if variant == "w8a16" else 5e-2)
+    assert_close(out, twin(x, weight, scale, bias).double(), 1e-2)
 
 
 @on_cuda
-@pytest.mark.parametrize("m", [65, 256, 1000])
-def test_cuda_scaled_mm_path(m):
+def test_cuda_tuned_configs_and_graph_replay():
+    """Every measured config on its shape against the twin, and a split-K launch replayed from a
+    CUDA graph: the same output each replay (the tile counters are reset by every launch)."""
+    from zipage.kernels import fp8_linear
+
+    _needs_fp8_gpu()
+    for (variant, bucket, n, k), config in fp8_linear.TUNED.items():
+        x = _random(bucket, k, seed=bucket, dtype=torch.bfloat16).cuda()
+        weight, scale = quant.quantize_rows(_random(n, k, seed=n).cuda() * 0.02)
+        kernel = fp8_linear.w8a16_linear if variant == "w8a16" else fp8_linear.w8a8_linear
+        twin = fp8_linear.w8a16_linear_torch if variant == "w8a16" else fp8_linear.w8a8_linear_torch
+        assert_close(kernel(x, weight, scale, config=config), twin(x, weight, scale).double(), 1e-2)
+    x = _random(3, 4096, seed=1, dtype=torch.bfloat16).cuda()
+    weight, scale = quant.quantize_rows(_random(512, 4096, seed=2).cuda() * 0.02)
+    config = fp8_linear.W8A16Config(16, 64, 256, 8)
+    eager = fp8_linear.w8a16_linear(x, weight, scale, config=config)  # allocates the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_linear.w8a16_linear(x, weight, scale, config=config)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+@on_cuda
+@pytest.mark.parametrize("m", [1, 16, 17, 65, 256, 1000])
+def test_cuda_paths_by_rows(m):
+    """W8A16 up to 16 rows, the Triton W8A8 kernel above; _scaled_mm when forced."""
     _needs_fp8_gpu()
     x = _random(m, 4096, seed=m, dtype=torch.bfloat16).cuda()
     weight, scale = quant.quantize_rows(_random(2048, 4096, seed=1).cuda() * 0.02)
     out = quant.fp8_linear(x, weight, scale)
-    assert quant._path(x, weight) == "scaled_mm"
+    assert quant._path(x, weight) == ("w8a16" if m <= quant.W8A16_MAX_TOKENS else "w8a8")
     ref = (x.double() @ weight.double().t()) * scale.double()
-    assert_close(out, ref, 5e-2)  # the activations are float8 too (W8A8): ~2-3% relative error
+    # W8A8: the activations are float8 too, ~2-3% relative error
+    assert_close(out, ref, 5e-2 if m > quant.W8A16_MAX_TOKENS else 1e-2)
+    assert_close(quant.fp8_linear(x, weight, scale, path="scaled_mm"), ref, 5e-2)
 
 
 @on_cuda

@@ -98,7 +98,8 @@ def run_decode_bench(args: argparse.Namespace) -> int:
         llm = LLM(model_dir, load_format=load_format, device=args.device, block_size=args.block_size,
                   max_num_seqs=max(batches), max_model_len=args.context + args.steps + args.profile_steps + 8,
                   enforce_eager=(mode == "eager"), enable_prefix_caching=False, compression=compression,
-                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  enable_chunked_prefill=False)  # whole prompts first: then every step decodes the whole batch
         runner = llm.engine.runner
         rng = random.Random(0)
         for batch in batches:

@@ -6,27 +6,30 @@ step runs all of them on ``batch`` tokens, captured in a CUDA graph; each method
 at each batch size:
 
 - ``bf16``: ``F.linear`` on bf16 weights;
-- ``w8a16``: the Triton W8A16 kernel (fp8 weights, bf16 activations);
+- ``w8a16``: the Triton W8A16 kernel (fp8 weights, bf16 activations), with the configs of
+  ``choose_config`` (the table measured by ``scripts/fp8_gemm_sweep.py``);
+- ``w8a8``: the Triton W8A8 kernel (the activations quantized per token by a Triton kernel,
+  in the timed step, then fp8 x fp8 products);
 - ``scaled_mm``: W8A8 through ``torch._scaled_mm`` (the activations quantized per token, in
   the timed step);
 - ``auto``: what the engine runs (``layers/quant.py``: w8a16 up to 64 tokens, then scaled_mm).
 
 ``of_copy`` is the step's weight bytes over its time, as a fraction of the device's copy
-bandwidth. ``--sweep`` also times the W8A16 kernel's tile and split choices per layer
-shape and batch, beside the heuristic's (for tuning ``zipage/kernels/fp8_linear.py``).
+bandwidth. ``--sweep`` also times the W8A16 kernel's candidate configs (``candidates``) per
+layer shape and batch, beside the default's, over all the layers (a quicker look than
+``scripts/fp8_gemm_sweep.py``, which times both kernels against ``torch`` per layer).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 import torch.nn.functional as F
 
 from zipage.bench.common import copy_bandwidth, print_table, write_json
 
-METHODS = ("bf16", "w8a16", "scaled_mm", "auto")
+METHODS = ("bf16", "w8a16", "w8a8", "scaled_mm", "auto")
 
 
 def add_linear_parser(sub) -> None:
@@ -74,7 +77,7 @@ def _time_step_ms(step, device: torch.device, iters: int = 20) -> float:
 
 
 def run_linear_bench(args: argparse.Namespace) -> int:
-    from zipage.kernels.fp8_linear import W8A16Config, choose_config, w8a16_linear, _num_sms
+    from zipage.kernels.fp8_linear import _num_sms, candidates, choose_config, w8a16_linear, w8a8_linear
     from zipage.layers import quant
 
     device = torch.device(args.device)
@@ -121,14 +124,16 @@ def run_linear_bench(args: argparse.Namespace) -> int:
             else:
                 path = None if method == "auto" else method
 
-                def step(path=path):
+                def matmul(x, q, s, path=path):
+                    return w8a8_linear(x, q, s) if path == "w8a8" else quant.fp8_linear(x, q, s, path=path)
+
+                def step():
                     for layer in fp8:
                         for name, (q, s) in layer.items():
-                            quant.fp8_linear(inputs[name], q, s, path=path)
+                            matmul(inputs[name], q, s)
                 nbytes = sum(q.numel() + 4 * s.numel() for layer in fp8 for q, s in layer.values())
                 try:
-                    error = max(_rel_err(quant.fp8_linear(inputs[n], *fp8[0][n], path=path), reference[n])
-                                for n in shapes)
+                    error = max(_rel_err(matmul(inputs[n], *fp8[0][n]), reference[n]) for n in shapes)
                 except Exception as failure:  # noqa: BLE001
                     print(f"{method} at batch {batch}: {type(failure).__name__}: {failure}")
                     continue
@@ -148,8 +153,7 @@ def run_linear_bench(args: argparse.Namespace) -> int:
                 nbytes = n * k * num_layers
                 heuristic = choose_config(batch, n, k, sms)
                 results = []
-                for bn, bk, split, stages in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8, 16), (3, 4)):
-                    config = W8A16Config(max(16, min(64, heuristic.block_m)), bn, bk, split, 4, stages)
+                for config in dict.fromkeys([heuristic] + candidates(batch, n, k, sms)):
                     try:
                         ms = _time_step_ms(lambda c=config: [w8a16_linear(x, *layer[name], config=c) for layer in fp8],
                                            device)
@@ -161,10 +165,8 @@ def run_linear_bench(args: argparse.Namespace) -> int:
                 heuristic_ms = next((ms for ms, c in results if c == heuristic), None)
                 if heuristic_ms is None:
                     heuristic_ms = _time_step_ms(lambda: [w8a16_linear(x, *layer[name]) for layer in fp8], device)
-                row = dict(method="sweep", batch=batch, layer=name, n=n, k=k,
-                           heuristic=f"n{heuristic.block_n} k{heuristic.block_k} s{heuristic.split_k}",
-                           heuristic_of_copy=nbytes / (heuristic_ms / 1e3) / copy_bps,
-                           best=f"n{best.block_n} k{best.block_k} s{best.split_k} st{best.num_stages}",
+                row = dict(method="sweep", batch=batch, layer=name, n=n, k=k, default=heuristic.short(),
+                           default_of_copy=nbytes / (heuristic_ms / 1e3) / copy_bps, best=best.short(),
                            best_of_copy=nbytes / (best_ms / 1e3) / copy_bps)
                 rows.append(row)
                 print_table([row], list(row))

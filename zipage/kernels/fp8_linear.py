@@ -1,18 +1,51 @@
-"""W8A16 matmul for decode-sized batches: ``y = (x @ W^T) * scale (+ bias)``.
+"""FP8-weight matmuls for decode-sized batches: ``y = (x @ W^T) * scale (+ bias)``.
 
-``W`` is float8 e4m3 ``[N, K]`` with one float32 ``scale`` per output channel (row of W),
-``x`` is ``[M, K]`` in bf16 or fp16 (float32 too, for the CPU interpreter). At a few
-tokens a linear layer is bound by reading its weight, so the kernel reads each fp8
-byte once, converts the tile to the activations' dtype in registers (exact: every
-e4m3 value is a bf16 and an fp16 value) and accumulates in float32 with ``tl.dot``;
-the per-channel scale multiplies the accumulator once, at the end.
+``W`` is float8 e4m3 ``[N, K]`` with one float32 ``scale`` per output channel (row of W).
+Two variants share one kernel body:
 
-Program (n tile, k split, m tile) covers ``BLOCK_N`` output channels over one share of
-K. With few output tiles (a small layer at batch 1) the K dimension is split so that
-enough programs stream the weight at once; each split then writes a float32 partial to
-a workspace and a second kernel sums the splits, scales, adds the bias and casts. The
-number of splits is a function of the shapes alone (no host sync: CUDA-graph safe).
-``w8a16_linear_torch`` is the PyTorch twin.
+- **W8A16** (``w8a16_linear``): ``x`` ``[M, K]`` in bf16 or fp16 (float32 too, for the CPU
+  interpreter). The kernel reads each fp8 byte once, converts the tile to the activations'
+  dtype in registers (exact: every e4m3 value is a bf16 and an fp16 value) and accumulates
+  in float32 on the matrix units; the per-channel scale multiplies the accumulator once, at
+  the end. ``w8a16_linear_torch`` is its PyTorch twin.
+- **W8A8** (``w8a8_linear``): the activations quantized to e4m3 per token first (dynamic
+  scale amax / 448, ``quantize_rows_fp8``, one small kernel: 2-4 us on an H200), then
+  fp8 x fp8 products on Hopper's fp8 matrix units with no conversion of the weight at all;
+  both scales multiply the accumulator. ~2.7% relative error (the activations' rounding)
+  where W8A16 has ~0.25% (against bf16 on the same weights). On an H200 it beats W8A16 from
+  ~64 tokens on (no conversion, matrix units twice as fast) and ``torch._scaled_mm`` with
+  torch's activation quantization at every size measured (``scripts/fp8_gemm_sweep.py``).
+  ``w8a8_linear_torch`` is its twin.
+
+A decode-sized GEMM must stream the weight at the memory's speed, so:
+
+- The weight is read as rows of ``BLOCK_K`` contiguous bytes (16-byte vector copies into
+  shared memory; every K offset a multiple of ``BLOCK_K``, so the compiler can prove the
+  alignment), and the K loop is software-pipelined (``num_stages``: that many tiles in
+  flight while the matrix units work on the current one).
+- Orientation: by default ``acc[BLOCK_M, BLOCK_N] = x_tile @ W_tile^T``; W8A16 converts the
+  weight tile in registers (a layout with 16 contiguous bytes per thread) and stores it once
+  for the matrix units. ``swap_ab`` computes ``out^T = W_tile @ x_tile^T`` instead: with fp8
+  operands (W8A8) the weight tile goes from shared memory straight into the fp8 wgmma, whose
+  left operand spans 64 rows, while the few tokens are the right operand (any BLOCK_M >= 16).
+  (For W8A16 the swapped form makes the compiler convert the weight in the matrix units'
+  register layout, two bytes at a time: slower.)
+- Conversion: ``fp8 -> bf16`` through Triton goes via fp16 and a conversion instruction
+  that runs at a quarter of the ALU rate: about one per element, which alone caps a kernel
+  near 60% of an H200's copy bandwidth. ``_fp8_to_bf16_fast`` builds the bf16 bits with
+  integer ops on four bytes at once (three per two elements) and one bf16x2 multiply.
+- Split-K: with few output tiles (small N, or M = 1 with wide tiles) the K range is split so
+  that enough programs stream the weight at once. Each split writes a float32 partial; the
+  last split of a tile to finish (an atomic counter per tile) sums the partials in split
+  order (deterministic), scales, adds the bias, casts and stores, and resets its counter to
+  0 for the next launch: one launch, no second reduction kernel. The counters live in a
+  zeroed buffer kept per device (``_tile_counters``); the first call must come before any
+  CUDA-graph capture (the engine's warm-up does that), and launches that share the buffer
+  must not run concurrently (one stream). The split count is a function of the shapes
+  alone: no host sync, CUDA-graph safe.
+
+Configs: ``choose_config`` looks up ``TUNED`` (per variant, M bucket and weight shape;
+measured on an H200 by ``scripts/fp8_gemm_sweep.py``) and falls back to a heuristic.
 """
 
 from __future__ import annotations
@@ -27,30 +60,49 @@ from zipage.kernels.common import dot_precision
 try:
     import triton
     import triton.language as tl
-except ImportError:  # no Triton for this platform: only the PyTorch twin is usable
+except ImportError:  # no Triton for this platform: only the PyTorch twins are usable
     triton = None
 
-# Split K until there are this many programs per SM (several resident per SM keep enough
-# loads in flight to cover the memory latency), while the float32 partials a split writes
-# and the reduction reads stay below WORKSPACE_SHARE of the weight's bytes (they grow with
-# M; most stay in L2). Not yet tuned on a GPU: ``zipage bench linear --sweep`` times the
-# alternatives.
-PROGRAMS_PER_SM = 4
+FP8_MAX = 448.0
+ACT_AMAX_FLOOR = 1e-12  # a row of zeros gets this amax (its scale is then tiny, its values 0)
+
+# Split K until there are about this many programs per SM (several resident per SM keep
+# enough loads in flight to cover the memory latency), keeping at least MIN_K_ITERS
+# iterations of the K loop per split (a pipeline needs a few to reach its steady state) and
+# the float32 partials (written once, read once, mostly from L2) below WORKSPACE_SHARE of
+# the weight's bytes.
+PROGRAMS_PER_SM = 2
+MIN_K_ITERS = 4
 WORKSPACE_SHARE = 0.25
+TILE_COUNTERS = 1 << 14  # output tiles that can split K in one launch (counters per device)
+FAST_CONVERT = True  # False: Triton's own fp8 -> bf16 conversion (the sweep's comparison)
 
 
 @dataclass(frozen=True)
 class W8A16Config:
+    """One launch's tiling (W8A16 and W8A8 alike). ``swap_ab``: the kernel computes
+    ``out^T = W @ x^T`` (the weight tile as the left operand) instead of ``out = x @ W^T``."""
     block_m: int
     block_n: int
     block_k: int
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
+    swap_ab: bool = False
+
+    def short(self) -> str:
+        return (f"{'swap ' if self.swap_ab else ''}m{self.block_m} n{self.block_n} k{self.block_k} "
+                f"s{self.split_k} w{self.num_warps} st{self.num_stages}")
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def m_bucket(m: int) -> int:
+    """The M range a config is tuned for, by its upper end: 16 (1 to 16 tokens, one M tile of
+    16: the same kernel; measured at 1), 64, 128 and 256 (and above)."""
+    return 16 if m <= 16 else min(256, max(64, _next_pow2(m)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,125 +112,424 @@ def _num_sms(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_config(m: int, n: int, k: int, num_sms: int) -> W8A16Config:
-    """Tile sizes and K splits for an ``[m, k] x [k, n]`` problem (heuristic, see the module
-    doc; ``zipage bench linear --sweep`` measures the alternatives)."""
-    block_m = max(16, min(64, _next_pow2(m)))
-    block_k = 256 if block_m <= 16 else 128
+# (variant, M bucket, N, K) -> config, the fastest measured on an H200 (132 SMs) by
+# scripts/fp8_gemm_sweep.py (2026-12-02, torch 2.11, Triton 3.6) for the linear layers of
+# Qwen3-8B (qkv 6144x4096, o 4096x4096, gate_up 24576x4096, down 4096x12288); the comment is
+# the kernel's weight + activation bytes over its time, against 4.3 TB/s (the bucket of 16
+# was measured at M = 1). Other shapes use the heuristic.
+TUNED: dict[tuple[str, int, int, int], W8A16Config] = {
+    ("w8a16", 16, 4096, 4096): W8A16Config(16, 64, 128, 4, 4, 4),  # o: 45%
+    ("w8a16", 64, 4096, 4096): W8A16Config(64, 64, 128, 4, 4, 4),  # o: 28%
+    ("w8a16", 128, 4096, 4096): W8A16Config(64, 64, 128, 2, 4, 3),  # o: 21%
+    ("w8a16", 256, 4096, 4096): W8A16Config(64, 128, 64, 2, 4, 3),  # o: 15%
+    ("w8a16", 16, 4096, 12288): W8A16Config(16, 64, 128, 8, 4, 4),  # down: 67%
+    ("w8a16", 64, 4096, 12288): W8A16Config(64, 64, 128, 4, 4, 3),  # down: 41%
+    ("w8a16", 128, 4096, 12288): W8A16Config(128, 64, 64, 4, 4, 3),  # down: 28%
+    ("w8a16", 256, 4096, 12288): W8A16Config(64, 128, 64, 2, 4, 3),  # down: 17%
+    ("w8a16", 16, 6144, 4096): W8A16Config(16, 64, 128, 4, 4, 4),  # qkv: 53%
+    ("w8a16", 64, 6144, 4096): W8A16Config(64, 64, 128, 2, 4, 3),  # qkv: 30%
+    ("w8a16", 128, 6144, 4096): W8A16Config(128, 64, 64, 2, 4, 3),  # qkv: 22%
+    ("w8a16", 256, 6144, 4096): W8A16Config(64, 128, 64, 2, 4, 3),  # qkv: 17%
+    ("w8a16", 16, 24576, 4096): W8A16Config(16, 64, 256, 1, 4, 3),  # gate_up: 81%
+    ("w8a16", 64, 24576, 4096): W8A16Config(64, 64, 128, 1, 4, 2),  # gate_up: 47%
+    ("w8a16", 128, 24576, 4096): W8A16Config(128, 64, 64, 1, 4, 3),  # gate_up: 38%
+    ("w8a16", 256, 24576, 4096): W8A16Config(128, 128, 64, 2, 4, 3),  # gate_up: 21%
+    ("w8a8", 16, 4096, 4096): W8A16Config(16, 64, 256, 4, 4, 4, swap_ab=True),  # o: 40%
+    ("w8a8", 64, 4096, 4096): W8A16Config(64, 64, 128, 2, 4, 4),  # o: 33%
+    ("w8a8", 128, 4096, 4096): W8A16Config(64, 64, 128, 2, 4, 4, swap_ab=True),  # o: 32%
+    ("w8a8", 256, 4096, 4096): W8A16Config(128, 64, 128, 1, 4, 4, swap_ab=True),  # o: 32%
+    ("w8a8", 16, 4096, 12288): W8A16Config(16, 64, 256, 4, 4, 4, swap_ab=True),  # down: 58%
+    ("w8a8", 64, 4096, 12288): W8A16Config(64, 64, 128, 4, 4, 4),  # down: 48%
+    ("w8a8", 128, 4096, 12288): W8A16Config(64, 64, 128, 2, 4, 4, swap_ab=True),  # down: 42%
+    ("w8a8", 256, 4096, 12288): W8A16Config(128, 64, 128, 2, 4, 4, swap_ab=True),  # down: 36%
+    ("w8a8", 16, 6144, 4096): W8A16Config(16, 64, 512, 1, 4, 3, swap_ab=True),  # qkv: 51%
+    ("w8a8", 64, 6144, 4096): W8A16Config(64, 64, 128, 1, 4, 4),  # qkv: 42%
+    ("w8a8", 128, 6144, 4096): W8A16Config(64, 64, 128, 1, 4, 4, swap_ab=True),  # qkv: 42%
+    ("w8a8", 256, 6144, 4096): W8A16Config(256, 64, 128, 1, 8, 4, swap_ab=True),  # qkv: 39%
+    ("w8a8", 16, 24576, 4096): W8A16Config(16, 64, 256, 1, 4, 3, swap_ab=True),  # gate_up: 80%
+    ("w8a8", 64, 24576, 4096): W8A16Config(64, 64, 128, 1, 4, 4),  # gate_up: 75%
+    ("w8a8", 128, 24576, 4096): W8A16Config(128, 64, 128, 1, 4, 3, swap_ab=True),  # gate_up: 70%
+    ("w8a8", 256, 24576, 4096): W8A16Config(128, 64, 128, 1, 4, 3, swap_ab=True),  # gate_up: 49%
+}
+TUNED_SMS = 132  # the split counts above assume this many SMs; elsewhere the heuristic runs
+
+
+def split_for(tiles: int, k: int, block_k: int, m: int, num_sms: int) -> int:
+    """K splits (a power of two) so that ``tiles * split`` programs keep the SMs busy."""
     k_blocks = -(-k // block_k)
-    # workspace traffic 8 * split * m * n bytes (write + read, float32) <= share * n * k bytes
-    max_split = max(1, min(k_blocks // 2, int(WORKSPACE_SHARE * k / (8 * max(m, 1)))))
-    target = PROGRAMS_PER_SM * num_sms
-    m_tiles = -(-m // block_m)
-    block_n = 64
+    # workspace traffic 8 * split * m * n bytes (float32 write + read) <= share * n * k bytes
+    max_split = max(1, min(k_blocks // MIN_K_ITERS, int(WORKSPACE_SHARE * k / (8 * max(m, 1)))))
     split = 1
-    while m_tiles * -(-n // block_n) * split < target and split * 2 <= max_split:
+    while tiles * split < PROGRAMS_PER_SM * num_sms and split * 2 <= max_split:
         split *= 2
-    if m_tiles * -(-n // block_n) * split < target:
-        block_n = 32
-    return W8A16Config(block_m, block_n, block_k, split)
+    return split
+
+
+def choose_config(m: int, n: int, k: int, num_sms: int, variant: str = "w8a16") -> W8A16Config:
+    """Tiles and K splits for an ``[m, k] x [k, n]`` problem (``variant``: "w8a16" or "w8a8"):
+    ``TUNED`` where measured, else a heuristic (``scripts/fp8_gemm_sweep.py`` measures the
+    alternatives)."""
+    bucket = m_bucket(m)
+    tuned = TUNED.get((variant, bucket, n, k)) if num_sms == TUNED_SMS else None
+    if tuned is not None:
+        return tuned
+    # The shapes that won the sweep most often (see TUNED). W8A16: every token in one M tile
+    # up to 128 (the weight read once); at 256 four M tiles of 64 next to each other in the
+    # grid, the weight tile read by the second to fourth from L2 (a tile of 256 rows leaves
+    # too little shared memory for the pipeline). W8A8 at a few tokens and from 128 on: the
+    # weight as wgmma's left operand, straight from shared memory (swap_ab).
+    if variant == "w8a8":
+        if bucket <= 16:
+            block_m, block_n, block_k, stages, swap = 16, 64, 256, 4, True
+        elif bucket <= 64:
+            block_m, block_n, block_k, stages, swap = 64, 64, 128, 4, False
+        else:
+            block_m, block_n, block_k, stages, swap = 128, 64, 128, 3, True
+    elif bucket <= 16:
+        block_m, block_n, block_k, stages, swap = 16, 64, 256, 3, False
+    elif bucket <= 64:
+        block_m, block_n, block_k, stages, swap = 64, 64, 128, 3, False
+    elif bucket <= 128:
+        block_m, block_n, block_k, stages, swap = 128, 64, 64, 3, False
+    else:
+        block_m, block_n, block_k, stages, swap = 64, 128, 64, 3, False
+    tiles = -(-m // block_m) * -(-n // block_n)
+    split = split_for(tiles, k, block_k, m, num_sms)
+    return W8A16Config(block_m, block_n, block_k, split, 4, stages, swap_ab=swap)
+
+
+def candidates(m: int, n: int, k: int, num_sms: int, variant: str = "w8a16") -> list[W8A16Config]:
+    """The configs ``scripts/fp8_gemm_sweep.py`` (and ``zipage bench linear --sweep``) time for
+    one problem: tile shapes for M's bucket, each with the K splits around the heuristic's."""
+    bucket = m_bucket(m)
+    w8a8 = variant == "w8a8"
+    tiles: list[tuple] = []  # (block_m, block_n, block_k, warps, stages, swap)
+    if bucket <= 16:
+        # the few tokens in an M tile of 16 (mma.sync); W8A8 also with the weight as wgmma's
+        # left operand (swap: 64 or 128 weight rows, 16 token columns)
+        for bn, bk, stages in [(32, 256, 3), (32, 256, 4), (32, 512, 3), (64, 128, 4), (64, 256, 2), (64, 256, 3),
+                               (64, 256, 4), (64, 512, 2), (64, 512, 3), (128, 128, 3), (128, 256, 2), (128, 256, 3)]:
+            tiles.append((16, bn, bk, 4, stages, False))
+        if w8a8:
+            for bn, bk, stages in [(64, 256, 3), (64, 256, 4), (64, 512, 3), (128, 256, 3), (128, 128, 4)]:
+                tiles.append((16, bn, bk, 4, stages, True))
+    else:
+        # every token in one M tile (the weight read once), or two to four M tiles next to
+        # each other in the grid (the same weight tile, the second read from L2)
+        for bm in sorted({min(256, max(32, bucket)), min(128, max(32, bucket)), 64}, reverse=True):
+            if bm > max(32, bucket):
+                continue
+            if bm == 256 and not w8a8:
+                continue  # the converted weight tile leaves too little shared memory for the pipeline
+            for bn, bk, warps, stages in [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4),
+                                          (64, 256, 4, 2), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 4, 2),
+                                          (128, 128, 8, 2), (128, 128, 8, 3), (256, 64, 8, 3)]:
+                if bm * bn > 128 * 128 and warps == 4 or (bm < bucket and bn > 128):
+                    continue  # the accumulator would take most of 4 warps' registers; few tiles
+                if bm < min(256, bucket) and (bn, bk, stages) not in [(64, 128, 3), (128, 64, 3), (128, 128, 2)]:
+                    continue  # several M tiles: a few shapes only
+                tiles.append((bm, bn, bk, warps, stages, False))
+            if w8a8:
+                for bn, bk, stages in [(64, 128, 3), (64, 128, 4), (128, 128, 3)]:
+                    tiles.append((bm, bn, bk, 4 if bm * bn <= 64 * 128 else 8, stages, True))
+    configs = []
+    for bm, bn, bk, warps, stages, swap in tiles:
+        count = -(-m // bm) * -(-n // bn)
+        base = split_for(count, k, bk, m, num_sms)
+        k_blocks = -(-k // bk)
+        for split in sorted({1, base, 2 * base, max(1, base // 2)}):
+            if split > 1 and (k_blocks // split < 2 or count * split > 16 * num_sms):
+                continue
+            configs.append(W8A16Config(bm, bn, bk, split, warps, stages, swap))
+    return configs
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 counter per output tile, kept per device; the kernel leaves them zero."""
+    counters = _counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fp8 matmul with split K: call it once outside CUDA-graph capture first "
+                               "(its tile counters are allocated and zeroed then)")
+        counters = _counters[device] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
+    return counters
 
 
 if triton is not None:
+    _FP8_MAX = tl.constexpr(FP8_MAX)
+    _AMAX_FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
 
-    @triton.jit(do_not_specialize=["M"])
-    def _w8a16_kernel(
-        x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr,
-        M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, EVEN_NK: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    ):
-        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        m_mask = rm[:, None] < M
-        k_start = pid_k * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
-        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            if EVEN_NK:
-                x = tl.load(x_ptrs + k0, mask=m_mask, other=0.0)
-                w = tl.load(w_ptrs + k0)
-            else:
-                k_mask = (k0 + rk)[None, :] < k_end
-                x = tl.load(x_ptrs + k0, mask=m_mask & k_mask, other=0.0)
-                w = tl.load(w_ptrs + k0, mask=(rn[:, None] < N) & k_mask, other=0.0)
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
-        n_mask = rn < N
-        mask = m_mask & n_mask[None, :]
-        if SPLIT_K == 1:
-            acc = acc * tl.load(scale_ptr + rn, mask=n_mask, other=0.0)[None, :]
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=mask)
+    @triton.jit
+    def _fp8_to_bf16_fast(w):
+        """e4m3 -> bf16 with integer ops, four bytes at a time. Each byte ``s eeee mmm`` is
+        permuted into the low byte of a 16-bit lane, the lane's high byte filled with copies
+        of its sign (prmt's sign-replicating selectors 0x8-0xb); shifted left by 4, the lane
+        holds the sign bits above ``eeee mmm`` at bits 10..4; a mask keeps bit 15 (the sign)
+        and bits 10..4 (and drops what the shift pushed into the next lane). Those bits, read
+        as bf16, are the e4m3 value times 2**-120 (subnormals too): a bf16x2 multiply by 2**120
+        (0x7B80) makes it exact. Three integer ops and a half multiply per two elements, where
+        Triton's own conversion (through fp16) takes a quarter-rate conversion instruction per
+        element. NaN (0x7f) is not kept: weights are finite."""
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 lo, hi, two120;
+            mov.b32 two120, 0x7B807B80;
+            prmt.b32 lo, $2, 0, 0x9180;
+            prmt.b32 hi, $2, 0, 0xB3A2;
+            shl.b32 lo, lo, 4;
+            shl.b32 hi, hi, 4;
+            and.b32 lo, lo, 0x87F087F0;
+            and.b32 hi, hi, 0x87F087F0;
+            mul.rn.bf16x2 $0, lo, two120;
+            mul.rn.bf16x2 $1, hi, two120;
+            }
+            """,
+            constraints="=r,=r,r",
+            args=[w.to(tl.uint8, bitcast=True)],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
+
+    @triton.jit
+    def _convert(w, dtype: tl.constexpr, FAST_CVT: tl.constexpr):
+        if FAST_CVT:
+            return _fp8_to_bf16_fast(w)
         else:
-            offsets = (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
-            tl.store(part_ptr + offsets, acc, mask=mask)
+            return w.to(dtype)
 
-    @triton.jit(do_not_specialize=["M"])
-    def _split_k_reduce_kernel(
-        part_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_om,
-        SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ):
-        row, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = rn < N
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for s in range(SPLIT_K):
-            acc += tl.load(part_ptr + (s * M + row) * N + rn, mask=mask, other=0.0)
-        acc = acc * tl.load(scale_ptr + rn, mask=mask, other=0.0)
+    @triton.jit
+    def _finish(acc, rm, rn, M, N, stride_om, scale_ptr, xscale_ptr, bias_ptr, out_ptr,
+                HAS_BIAS: tl.constexpr, HAS_XSCALE: tl.constexpr):
+        """Scale (per channel, and per token for W8A8), add the bias, cast and store. ``acc``
+        is indexed by ``rm`` and ``rn``, each broadcastable to its shape (either orientation)."""
+        n_ok = rn < N
+        acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
+        if HAS_XSCALE:
+            acc = acc * tl.load(xscale_ptr + rm, mask=rm < M, other=0.0)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rm.to(tl.int64) * stride_om + rn, acc.to(out_ptr.dtype.element_ty),
+                 mask=(rm < M) & n_ok)
+
+    @triton.jit
+    def _epilogue(acc, rm, rn, pid_k, tile, M, N, stride_om, SPLIT_K,
+                  scale_ptr, xscale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
+                  HAS_BIAS: tl.constexpr, HAS_XSCALE: tl.constexpr):
+        """Store the tile, or with split K its float32 partial; the last split of the tile to
+        arrive sums all partials in split order and stores the output (see the module doc)."""
+        if SPLIT_K == 1:
+            _finish(acc, rm, rn, M, N, stride_om, scale_ptr, xscale_ptr, bias_ptr, out_ptr, HAS_BIAS, HAS_XSCALE)
+        else:
+            mask = (rm < M) & (rn < N)
+            part = part_ptr + rm.to(tl.int64) * N + rn
+            plane = M.to(tl.int64) * N  # one split's [M, N] partial
+            tl.store(part + pid_k * plane, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial is written before the counter moves
+            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros_like(acc)
+                for s in range(SPLIT_K):  # .cg: from L2, where the other splits' stores are
+                    total += tl.load(part + s * plane, mask=mask, other=0.0, cache_modifier=".cg")
+                _finish(total, rm, rn, M, N, stride_om, scale_ptr, xscale_ptr, bias_ptr, out_ptr,
+                        HAS_BIAS, HAS_XSCALE)
+                tl.store(counter_ptr + tile, 0)  # every split has arrived: ready for the next launch
+
+    @triton.jit(do_not_specialize=["M", "blocks_per_split", "SPLIT_K"])
+    def _fp8_dot_kernel(
+        x_ptr, xscale_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
+        M, N, K, stride_xm, stride_wn, stride_om, blocks_per_split, SPLIT_K,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, A8: tl.constexpr,
+        FAST_CVT: tl.constexpr, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """Program (m tile, n tile, k split): ``acc[BLOCK_N, BLOCK_M] = W[n tile, k range] @
+        x[m tile, k range]^T``; ``A8``: x is float8 with per-row scales ``xscale``."""
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn_local = tl.arange(0, BLOCK_N)
+        rn = pid_n * BLOCK_N + rn_local
+        rk = tl.arange(0, BLOCK_K)
+        k_start = pid_k * blocks_per_split * BLOCK_K  # a multiple of BLOCK_K: aligned vector loads
+        k_end = tl.minimum(k_start + blocks_per_split * BLOCK_K, K)
+        # 64-bit row bases as scalars, 32-bit offsets inside the tile
+        w_ptrs = (w_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_wn + k_start
+                  + (rn_local[:, None] * stride_wn + rk[None, :]))
+        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + k_start + rk[None, :]
+        m_ok = rm[:, None] < M
+        n_ok = rn[:, None] < N
+        if SWAP_AB:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                if EVEN_N:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=n_ok, other=0.0)
+                x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+            else:
+                k_ok = (k0 + rk)[None, :] < k_end
+                w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0)
+                x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
+            if not A8:
+                w = _convert(w, x.dtype, FAST_CVT)
+            if SWAP_AB:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION, out_dtype=tl.float32)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION, out_dtype=tl.float32)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        tile = pid_m * tl.num_programs(1) + pid_n
+        if SWAP_AB:
+            _epilogue(acc, rm[None, :], rn[:, None], pid_k, tile, M, N, stride_om, SPLIT_K,
+                      scale_ptr, xscale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, HAS_BIAS, A8)
+        else:
+            _epilogue(acc, rm[:, None], rn[None, :], pid_k, tile, M, N, stride_om, SPLIT_K,
+                      scale_ptr, xscale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, HAS_BIAS, A8)
+
+    @triton.jit
+    def _round_to_e4m3(v):
+        """``v`` (float32, |v| <= 448) rounded to the nearest e4m3 value (ties to even), still
+        in float32, so that the cast after it is exact (the Triton interpreter's own float8
+        rounding is crude). Adding then subtracting ``1.5 * 2**23 * q`` rounds to a multiple of
+        q, the spacing of e4m3 values around ``v``: 2**(exponent - 3), and 2**-9 below 2**-6."""
+        exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        q_exponent = tl.maximum(exponent, 127 - 6) - 3
+        magic = ((q_exponent + 23) << 23).to(tl.float32, bitcast=True) * 1.5
+        return (v + magic) - magic
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr):
+        """One row per program: amax, then ``q = clamp(x / (amax / 448))`` in e4m3 (to nearest)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=k0 + cols < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, axis=0), _AMAX_FLOOR) / _FP8_MAX
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            q = _round_to_e4m3(tl.minimum(tl.maximum(tl.fdiv(x, scale, ieee_rounding=True), -_FP8_MAX), _FP8_MAX))
+            tl.store(q_ptr + row * stride_qm + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < K)
 
 
-def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 config: W8A16Config | None = None) -> torch.Tensor:
-    """``(x @ weight^T) * scale + bias`` in ``x``'s dtype; x ``[M, K]``, weight float8 ``[N, K]``
-    (rows contiguous), scale float32 ``[N]``, bias ``[N]``. ``config``: override the heuristic."""
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, name: str) -> None:
     if triton is None:
-        raise RuntimeError("the W8A16 kernel needs Triton")
+        raise RuntimeError(f"{name} needs Triton")
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or weight.stride(1) != 1 or scale.shape != (n,):
-        raise ValueError(f"w8a16_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} (strides "
+        raise ValueError(f"{name}: x {tuple(x.shape)}, weight {tuple(weight.shape)} (strides "
                          f"{weight.stride()}), scale {tuple(scale.shape)} do not fit")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+
+
+def _launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor,
+            bias: torch.Tensor | None, config: W8A16Config, out_dtype: torch.dtype,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """One launch of the kernel (``x_scale``: W8A8, x float8)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != out_dtype or out.stride(1) != 1:
+        raise ValueError(f"out: {tuple(out.shape)} {out.dtype} (strides {out.stride()}); expected ({m}, {n}) "
+                         f"{out_dtype} with contiguous rows")
     if m == 0:
         return out
-    if config is None:
-        config = choose_config(m, n, k, _num_sms(x.device.index if x.device.type == "cuda" else None))
-    k_blocks = -(-k // config.block_k)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    k_blocks = triton.cdiv(k, bk)
     split = max(1, min(config.split_k, k_blocks))
-    k_per_split = -(-k_blocks // split) * config.block_k
-    split = -(-k // k_per_split)  # no empty split
-    even = n % config.block_n == 0 and k % k_per_split == 0
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, config.block_m))
-    bias_arg = bias if bias is not None else scale
-    _w8a16_kernel[grid](
-        x, weight, scale, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, EVEN_NK=even,
-        HAS_BIAS=bias is not None and split == 1, PRECISION=dot_precision(x.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1 and m_tiles * n_tiles > TILE_COUNTERS:
+        split = 1  # more tiles than counters: these fill the GPU without splitting anyway
+    blocks_per_split = triton.cdiv(k_blocks, split)
+    split = triton.cdiv(k_blocks, blocks_per_split)  # no empty split
     if split > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
-            part, scale, bias_arg, out, m, n, out.stride(0), SPLIT_K=split, BLOCK_N=block,
-            HAS_BIAS=bias is not None, num_warps=4)
+        part, counters = torch.empty(split, m, n, dtype=torch.float32, device=x.device), _tile_counters(x.device)
+    else:  # not read; float32 and int32 views, so that both cases share one compiled kernel
+        part, counters = scale, scale.view(torch.int32)
+    # bf16 on a GPU: the integer-op conversion (the interpreter has no inline assembly)
+    fast = FAST_CONVERT and x.dtype == torch.bfloat16 and x.device.type == "cuda"
+    grid = (m_tiles, n_tiles, split)
+    common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+                  EVEN_N=n % bn == 0, HAS_BIAS=bias is not None, num_warps=config.num_warps,
+                  num_stages=config.num_stages)
+    bias_arg = bias if bias is not None else scale
+    _fp8_dot_kernel[grid](
+        x, x_scale if x_scale is not None else scale, weight, scale, bias_arg, out, part, counters,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), blocks_per_split, split,
+        A8=x_scale is not None, FAST_CVT=fast and x_scale is None, SWAP_AB=config.swap_ab,
+        PRECISION=dot_precision(x.dtype), **common)
     return out
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 config: W8A16Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(x @ weight^T) * scale + bias`` in ``x``'s dtype; x ``[M, K]``, weight float8 ``[N, K]``
+    (rows contiguous), scale float32 ``[N]``, bias ``[N]``. ``config``: override the table;
+    ``out``: write there (``[M, N]``, x's dtype)."""
+    _check(x, weight, scale, "w8a16_linear")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    if config is None:
+        config = choose_config(m, weight.shape[0], k, _num_sms(x.device.index if x.device.type == "cuda" else None))
+    return _launch(x, None, weight, scale, bias, config, x.dtype, out)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 ``x / s``, float32 ``s`` [M]) with ``s = max(amax(|row|), 1e-12) / 448`` per row."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=min(8192, triton.next_power_of_2(k)),
+                                    num_warps=8)
+    return q, s
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                config: W8A16Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: ``x`` quantized per token to e4m3 (``quantize_rows_fp8``), then the fp8 x fp8
+    matmul with both scales on the float32 accumulator; output in ``x``'s dtype."""
+    _check(x, weight, scale, "w8a8_linear")
+    m, k = x.shape
+    xq, x_scale = quantize_rows_fp8(x)
+    if config is None:
+        config = choose_config(m, weight.shape[0], k, _num_sms(x.device.index if x.device.type == "cuda" else None),
+                               "w8a8")
+    return _launch(xq, x_scale, weight, scale, bias, config, x.dtype, out)
 
 
 def w8a16_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel's twin: float32 products of x and the fp8 weight, the scale on the output."""
+    """The W8A16 kernel's twin: float32 products of x and the fp8 weight, the scale on the output."""
     y = (x.float() @ weight.float().t()) * scale.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def quantize_rows_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows_fp8``'s twin."""
+    s = x.float().abs().amax(dim=1).clamp_min(ACT_AMAX_FLOOR) / FP8_MAX
+    return (x.float() / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
+
+
+def w8a8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W8A8 kernel's twin: the activations quantized per row, float32 products of the two
+    e4m3 operands, both scales on the output."""
+    xq, s = quantize_rows_fp8_torch(x)
+    y = (xq.float() @ weight.float().t()) * s[:, None] * scale.float()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

@@ -14,12 +14,15 @@ step is traced, so CUDA graphs capture it (no host syncs):
 - CUDA, compute capability >= 8.9, at most ``W8A16_MAX_TOKENS`` rows: the Triton W8A16
   kernel (``zipage/kernels/fp8_linear.py``): fp8 weights converted in registers, the
   activations as they are. Decode is bound by reading the weights: half the bytes of bf16.
-- the same GPUs, more rows, bf16 activations: W8A8 through ``torch._scaled_mm``, the
-  activations quantized per token (dynamic scale amax / 448) and the weight's per-channel
-  scales as the row-wise scales of the product.
-- anywhere else (the CPU, older GPUs, fp16 or float32 activations at large batches):
-  ``x @ (q * s)^T``, the weight dequantized (in float32, then rounded once to the
-  activations' dtype) for each matmul: saves memory, not time.
+- the same GPUs, more rows: the Triton W8A8 kernel, the activations quantized per token
+  (dynamic scale amax / 448) by a Triton kernel, the product on the FP8 matrix units with
+  both scales on the float32 accumulator. Measured on an H200 (docs/fp8.md), W8A16 stops
+  paying past 16 rows (its bf16 matmul and conversion no longer hide under the loads), and
+  W8A8 beats both bf16 and ``torch._scaled_mm`` from 64 rows on; its error against bf16 is
+  2.7% (W8A16's 0.25%). ``torch._scaled_mm`` stays as a forced path (``path="scaled_mm"``).
+- anywhere else (the CPU, older GPUs): ``x @ (q * s)^T``, the weight dequantized (in
+  float32, then rounded once to the activations' dtype) for each matmul: saves memory,
+  not time.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ logger = logging.getLogger(__name__)
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0
-# Rows (tokens) up to which the W8A16 kernel runs; above, _scaled_mm. Up to 64 tokens one
-# M tile covers the batch, so the kernel reads the weight once and stays bound by memory.
-W8A16_MAX_TOKENS = 64
+# Rows (tokens) up to which the W8A16 kernel runs; above, the W8A8 kernel (H200 sweep:
+# scripts/fp8_gemm_sweep.py, docs/fp8.md).
+W8A16_MAX_TOKENS = 16
 _ROWS_PER_CHUNK = 4096  # rows quantized at once (bounds the float32 temporaries)
 FORCE_PATH: str | None = None  # tests: run every fp8 matmul through this path ("dequant": exact float32)
 
@@ -159,10 +162,8 @@ def describe_paths(device: torch.device, dtype: torch.dtype) -> str:
         name = torch.cuda.get_device_name(index)
         major, minor = torch.cuda.get_device_capability(index)
         if fp8_matmul_supported(index):
-            large = ("W8A8 torch._scaled_mm with per-token activation scales" if dtype == torch.bfloat16
-                     else f"dequantized weights ({dtype} activations: _scaled_mm's row-wise scaling needs bf16)")
-            return (f"fp8 weights on {name}: Triton W8A16 kernel up to {W8A16_MAX_TOKENS} tokens, "
-                    f"{large} above")
+            return (f"fp8 weights on {name}: Triton W8A16 kernel up to {W8A16_MAX_TOKENS} tokens, Triton W8A8 "
+                    "kernel (per-token activation scales) above")
         where = f"{name} (compute capability {major}.{minor}, FP8 matmul needs 8.9)"
     else:
         where = "the CPU"
@@ -178,24 +179,22 @@ def log_fp8_paths(device: torch.device, dtype: torch.dtype) -> None:
 def _path(x: torch.Tensor, weight: torch.Tensor) -> str:
     if x.device.type != "cuda" or not fp8_matmul_supported(x.device.index or 0):
         return "dequant"
-    if x.shape[0] <= W8A16_MAX_TOKENS:
-        return "w8a16"
-    n, k = weight.shape
-    if x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
-        return "scaled_mm"
-    return "dequant"
+    return "w8a16" if x.shape[0] <= W8A16_MAX_TOKENS else "w8a8"
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                path: str | None = None) -> torch.Tensor:
     """``x @ (weight * scale[:, None])^T + bias`` for a float8 ``weight`` [N, K] and float32
-    ``scale`` [N]; ``path`` ("w8a16", "scaled_mm", "dequant"): force one (benchmarks, tests)."""
+    ``scale`` [N]; ``path`` ("w8a16", "w8a8", "scaled_mm", "dequant"): force one (benchmarks, tests)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     path = path or FORCE_PATH or _path(x, weight)
     if path == "w8a16":
         from zipage.kernels.fp8_linear import w8a16_linear
         y = w8a16_linear(x, weight, scale, bias)
+    elif path == "w8a8":
+        from zipage.kernels.fp8_linear import w8a8_linear
+        y = w8a8_linear(x, weight, scale, bias)
     elif path == "scaled_mm":
         y = scaled_mm_linear(x, weight, scale, bias)
     else:
