@@ -200,3 +200,34 @@ def test_prompt_longer_than_the_cache_is_compressed_between_chunks(checkpoint_di
         assert [len(done[r].outputs[0].token_ids) for r in ("long", "short")] == [30, 30]
         assert_pool_full(llm)
     assert results
+
+
+def test_decodes_beside_chunks_take_the_decode_path(checkpoint_dir, hf_greedy):
+    """In a step mixing decodes with a prompt chunk, the decodes attend through the backend's
+    decode kernel (which reads each KV head once for its group of query heads) and the chunk
+    through its prefill path; the tokens stay transformers'."""
+    from zipage.attention.metadata import get_attention_metadata
+
+    model_dir = checkpoint_dir("qwen3")
+    llm = make_llm(model_dir, block_size=16, max_num_seqs=4, max_num_batched_tokens=8)
+    backend = llm.engine.runner.backend
+    calls = []
+    decode, prefill = backend.decode, backend.prefill
+
+    def record(kind, fn):
+        def wrapped(q, *args, **kwargs):
+            calls.append((kind, get_attention_metadata().is_prefill, q.shape[0]))
+            return fn(q, *args, **kwargs)
+        return wrapped
+
+    backend.decode, backend.prefill = record("decode", decode), record("prefill", prefill)
+    prompts = _prompts(19, llm.engine.vocab_size, [5, 40])
+    done, steps = _run_steps(llm, {0: [("0", prompts[0], _greedy())], 2: [("1", prompts[1], _greedy())]})
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == hf_greedy(model_dir, prompt, NEW_TOKENS)
+    mixed = [c for c in calls if c[0] == "decode" and c[1]]  # the decode kernel inside a prefill-path step
+    assert mixed and all(rows == 1 for _, _, rows in mixed)  # request 0 decodes while 1's chunks run
+    chunk_rows = {rows for kind, _, rows in calls if kind == "prefill"}  # (once per layer)
+    # request 0's prompt (5 tokens), then request 1's 40 in chunks of 8 - 1 decode: 7 x 5, then 5
+    assert chunk_rows == {5, 7}
+    assert any(s.is_prefill and s.num_decodes == 1 for s in steps)

@@ -27,6 +27,12 @@ class AttentionMetadata:
     max_seqlen_k: int = 0
     has_cached_prefix: bool = False  # some prefill sequence reads KV it did not compute this step
     query_slots: torch.Tensor | None = None  # [num_tokens] query-cache row of each token (compression)
+    # A step mixing decodes with prompt chunks (chunked prefill): its leading one-token decode
+    # rows and its chunks, each as a step of its own, so that the decodes attend through the
+    # decode kernel (which reads each KV head once for its group of query heads) and the chunks
+    # through the prefill path. None otherwise.
+    decode_part: "AttentionMetadata | None" = None
+    chunk_part: "AttentionMetadata | None" = None
 
 
 _current: AttentionMetadata | None = None

@@ -34,6 +34,12 @@ class Attention(nn.Module):
                                   q, self.query_cache, meta.query_slots, **scales)
         else:
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
+        if meta.decode_part is not None:  # decodes beside prompt chunks: each through its own kernel
+            d = meta.decode_part.context_lens.shape[0]
+            decoded = self.backend.decode(q[:d], self.k_cache, self.v_cache, meta.decode_part, self.scale, **scales)
+            chunks = self.backend.prefill(q[d:], k[d:], v[d:], self.k_cache, self.v_cache, meta.chunk_part,
+                                          self.scale, **scales)
+            return torch.cat([decoded, chunks])
         if meta.is_prefill:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **scales)
         return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale, **scales)
