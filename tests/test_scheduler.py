@@ -434,3 +434,36 @@ def test_heavy_contention_stays_consistent(prefix_caching, chunk):
     eng.check_done()
     # (With chunks of 3 the decodes leave little budget for admissions: fewer requests contend.)
     assert chunk is not None or eng.scheduler.num_preemptions > 0
+
+
+def test_prompts_compressed_between_chunks_never_deadlock_on_blocks():
+    """Two prompts compressed between chunks hold every block, each below its budget and at a
+    block boundary: neither a compression nor a chunk can run, so the newer is preempted and the
+    older goes on; it is recomputed later."""
+    from zipage.config import CompressionConfig
+
+    comp = CompressionConfig(kv_budget_tokens=8, window=2, prefill_compression="always", asynchronous=False)
+    comp.resolve(4)  # N = 3 blocks of 4
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64)
+    config.resolve(64)
+    bm = BlockManager(4, 4, True, min_recomputed_tokens=2)
+    sched = Scheduler(config, bm, comp, num_query_slots=2)
+    a, b = (Sequence(name, None, list(range(10 * i + 3, 10 * i + 33)), SamplingParams(temperature=0.0), 4, 0)
+            for i, name in enumerate("ab"))
+    sched.add(a), sched.add(b)
+    assert a.compress_prefill and b.compress_prefill
+    # As admitted with a first chunk of 8 tokens each (2 blocks), so that they hold all 4 blocks.
+    # (A prompt already started goes before an admission, so the scheduler alone does not reach
+    # this state with these sizes; decodes holding blocks in between can.)
+    for seq in (a, b):
+        sched.waiting.popleft()
+        bm.allocate(seq, 8)
+        bm.schedule_chunk(seq, 8)
+        bm.cache_step(seq)
+        seq.status, seq.query_slot = SequenceStatus.RUNNING, sched.free_query_slots.pop()
+        sched.running.append(seq)
+    assert bm.num_free_blocks == 0
+    assert all(s.kv_len == 8 < 12 and s.kv_len == len(s.block_table) * 4 for s in (a, b))
+    batch = sched.schedule()
+    assert batch.preempted == [b] and batch.seqs == [a] and a.chunk == (8, 8)
+    assert b.status is SequenceStatus.WAITING and len(b.block_table) == 0 and b.query_slot is None

@@ -175,6 +175,8 @@ class Scheduler:
                 earlier = batch.preempted  # nobody could move: slot holders may go too
                 batch = self._schedule_decode(last_resort=True)
                 batch.preempted = earlier + batch.preempted
+            if chunked and not batch.seqs and not chunks and not batch.compressions:
+                chunks = self._unblock_prompts(batch)
             batch.seqs += chunks  # decodes first, then prompt chunks
             batch.is_prefill = bool(chunks)
         return batch if batch.seqs or batch.compressions else None
@@ -277,6 +279,19 @@ class Scheduler:
             chunks.append(seq)
             budget -= n
         return chunks
+
+    def _unblock_prompts(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Nothing could run: when prompts compressed between chunks hold every block, each
+        below its budget and at a block boundary (so neither compressing nor another chunk
+        frees or finds room), the newest of them is preempted and the others go on."""
+        if self.compressions is not None and self.compressions.busy:
+            return []  # the compaction in flight frees blocks
+        stuck = [s for s in self.running if s.prefilling and s.compress_prefill and not self._compressing(s)]
+        if len(stuck) < 2:
+            return []
+        self.preempt(stuck[-1])
+        batch.preempted.append(stuck[-1])
+        return self._schedule_chunks(self.config.max_num_batched_tokens)
 
     def _plan_prefill_compression(self, seq: Sequence) -> bool:
         """Plan the compaction of a prompt between two chunks, as decoding requests are planned
