@@ -154,8 +154,12 @@ def test_simulated_runner_steps_take_their_time_between_launch_and_collect(check
     runner = SimulatedRunner(config, rank_spec(model_dir, 1), dict(a=step_ms, b=0, c=0, p0=step_ms, p1=0, f=0, g=0),
                              sleep=True, token_range=8)
     seqs = [Sequence(str(i), None, [1, 2, 3], SamplingParams(), 4, 0) for i in range(3)]
+    for seq in seqs:
+        seq.chunk = (0, 3)  # a whole prompt's prefill
     first = runner.launch(seqs, True, {0})
     launched_at = time.perf_counter()
+    for seq in seqs:
+        seq.chunk = None  # then a decode
     second = runner.launch(seqs, False, {0}, previous=first)
     assert launched_at < first.ready_at and second.ready_at >= first.ready_at + step_ms / 1000
     tokens = runner.collect(first)
