@@ -467,3 +467,17 @@ def test_prompts_compressed_between_chunks_never_deadlock_on_blocks():
     batch = sched.schedule()
     assert batch.preempted == [b] and batch.seqs == [a] and a.chunk == (8, 8)
     assert b.status is SequenceStatus.WAITING and len(b.block_table) == 0 and b.query_slot is None
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_request_with_a_token_in_flight_waits_to_be_readmitted(chunked):
+    """A request preempted while a launched step still holds its next token (asynchronous
+    scheduling) is prefilled again only once that token is on the host: a prefill reads every
+    token from the host."""
+    eng = FakeEngine(num_blocks=8, block_size=4, max_num_seqs=2, max_model_len=16, chunked=chunked)
+    seq = eng.add("A", [1, 2, 3, 4, 5], 4)
+    seq.num_pending = 1  # as after a preemption, its sampled token not yet read back
+    assert eng.scheduler.schedule() is None and seq.status is SequenceStatus.WAITING
+    seq.num_pending = 0
+    batch = eng.scheduler.schedule()
+    assert batch.seqs == [seq] and seq.status is SequenceStatus.RUNNING

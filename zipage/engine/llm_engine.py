@@ -91,10 +91,10 @@ class LLMEngine:
         self.runner = runner if runner is not None else make_runner(config, self.hf_config)
         self.vocab_size = self.runner.vocab_size
         capacity = self.runner.num_blocks * config.cache.block_size
-        # Without compression a request must fit the cache at full length; with it, only its
-        # prompt must (prefilled whole, compressed at its first decode step).
-        # The longest prompt any request may have; with compression, a prompt cached whole (not
-        # compressed between its chunks, or a full-KV request's) must leave the cache a block.
+        # The longest prompt any request may have. Without compression a request must fit the
+        # cache at full length; with it, a prompt cached whole (not compressed between its chunks,
+        # or a full-KV request's) must leave the cache a block, and it is compressed at its first
+        # decode step.
         self.max_prompt_tokens = self.max_whole_prompt_tokens = config.scheduler.max_model_len - 1
         if config.compression is not None:
             self.max_whole_prompt_tokens = min(self.max_prompt_tokens, capacity - config.cache.block_size)
@@ -311,7 +311,7 @@ class LLMEngine:
         stats = StepStats(batch.is_prefill, len(batch.seqs), batch.num_tokens, len(batch.preempted),
                           num_compressed=len(batch.compressions), num_running=len(self.scheduler.running),
                           num_waiting=len(self.scheduler.waiting),
-                          num_decodes=sum(seq.chunk is None for seq in batch.seqs))
+                          num_decodes=batch.num_decodes)
         scheduled = time.perf_counter()
         self._launch_compressions(batch)
         stats.compression_s = time.perf_counter() - scheduled

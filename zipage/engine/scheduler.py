@@ -72,11 +72,22 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         """Tokens this step computes."""
+        if not self.is_prefill:
+            return len(self.seqs)
         return sum(s.chunk[1] if s.chunk is not None else 1 for s in self.seqs)
+
+    @property
+    def num_decodes(self) -> int:
+        """Requests that decode in this step (the others compute prompt chunks)."""
+        if not self.is_prefill:
+            return len(self.seqs)
+        return sum(s.chunk is None for s in self.seqs)
 
     @property
     def sampled(self) -> list[Sequence]:
         """The requests the step samples a token for, in order (read before the next schedule)."""
+        if not self.is_prefill:
+            return self.seqs
         return [s for s in self.seqs if s.samples]
 
 
@@ -293,18 +304,23 @@ class Scheduler:
         batch.preempted.append(stuck[-1])
         return self._schedule_chunks(self.config.max_num_batched_tokens)
 
+    def _joins_compression_batch(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s compaction may be planned now: asynchronously, one batch is in flight
+        at a time, and the batch being formed stays within ``max_blocks_per_compression`` source
+        blocks (a lone request always fits)."""
+        if not self.asynchronous:
+            return True
+        if self.compressions.busy:
+            return False
+        planned = sum(len(task.source_blocks) for task in self.compressions.planned)
+        return not planned or planned + len(seq.block_table) <= self.compression.max_blocks_per_compression
+
     def _plan_prefill_compression(self, seq: Sequence) -> bool:
         """Plan the compaction of a prompt between two chunks, as decoding requests are planned
-        (one asynchronous batch at a time, within its block cap); False if it must wait."""
-        compressions, bm = self.compressions, self.block_manager
-        if self.asynchronous:
-            planned = sum(len(task.source_blocks) for task in compressions.planned)
-            if compressions.busy or (planned and planned + len(seq.block_table)
-                                     > self.compression.max_blocks_per_compression):
-                return False
-        if not bm.can_compact(seq, seq.max_blocks - 1):
+        (without preempting others for its targets); False if it must wait."""
+        if not self._joins_compression_batch(seq) or not self.block_manager.can_compact(seq, seq.max_blocks - 1):
             return False
-        compressions.plan(seq)
+        self.compressions.plan(seq)
         return True
 
     # -- decode ---------------------------------------------------------------
@@ -325,7 +341,6 @@ class Scheduler:
         bm, compression, compressions = self.block_manager, self.compression, self.compressions
         batch, preempted = [], []
         placed: set[Sequence] = set()  # in this step's batch: never a victim
-        batch_blocks = 0  # source blocks of the compression batch being formed
 
         def make_room(seq, has_room) -> bool:
             """Preempt until ``has_room()``; False if ``seq`` must wait (or was itself preempted)."""
@@ -345,14 +360,11 @@ class Scheduler:
             if compression is not None and needs_compression(seq, bm):
                 if seq.query_slot is None:
                     continue  # a guard: without a slot a request stops before this point
-                blocks = len(seq.block_table)
-                if self.asynchronous and (compressions.busy or (
-                        batch_blocks and batch_blocks + blocks > compression.max_blocks_per_compression)):
-                    continue  # waits for the next compression batch (a lone request always fits)
+                if not self._joins_compression_batch(seq):
+                    continue  # waits for the next compression batch
                 if not make_room(seq, lambda: bm.can_compact(seq, seq.max_blocks - 1)):
                     continue
                 compressions.plan(seq)
-                batch_blocks += blocks
                 if self.asynchronous:
                     continue  # rejoins decoding once its compaction is done
             elif compression is not None and seq.query_slot is None and not self._may_run_without_slot(seq, seq.kv_len):

@@ -151,19 +151,24 @@ class InputBuilder:
                                        else s.query_slot * w + (s.num_tokens - 1) % w for s in seqs]
         return StepShape(False, b, b, width, 1, int(kv_lens.max()) + 1, False)
 
-    def previous_tokens(self, input_ids: torch.Tensor, seqs: list[Sequence], rows: dict[Sequence, int],
-                        sampled: torch.Tensor, shape: StepShape) -> torch.Tensor:
+    @staticmethod
+    def pending_rows(seqs: list[Sequence], rows: dict[Sequence, int]) -> np.ndarray:
+        """Per request of a step: the row of its input token among the previous step's sampled
+        tokens (``rows``) if that token is still pending, else -1."""
+        return np.fromiter((rows[s] if s.num_pending else -1 for s in seqs), dtype=np.int64, count=len(seqs))
+
+    def previous_tokens(self, input_ids: torch.Tensor, pending_rows: np.ndarray, sampled: torch.Tensor,
+                        shape: StepShape) -> torch.Tensor:
         """``input_ids`` (on the device) with each pending token taken from ``sampled``, the
-        previous step's tokens on the device, at the request's row ``rows[seq]`` there."""
+        previous step's tokens on the device, at its request's row there (``pending_rows``)."""
         n, previous = shape.num_tokens, self.previous_rows.np
         if shape.is_prefill:  # a decoding request's token is the last of its one-token run
             previous[:n] = -1
-            last = self.cu_seqlens.np[1:len(seqs) + 1] - 1
-            for seq, token in zip(seqs, last.tolist()):
-                if seq.num_pending:
-                    previous[token] = rows[seq]
+            last = self.cu_seqlens.np[1:len(pending_rows) + 1] - 1
+            pending = pending_rows >= 0
+            previous[last[pending]] = pending_rows[pending]
         else:
-            previous[:n] = [rows[s] if s.num_pending else -1 for s in seqs]
+            previous[:n] = pending_rows
         on_device = self.previous_rows.to_device(n)
         return torch.where(on_device >= 0, sampled[on_device.clamp(min=0)], input_ids)
 

@@ -387,8 +387,8 @@ class ModelRunner:
             shape = self.inputs.fill_prefill(seqs) if is_prefill else self.inputs.fill_decode(seqs)
         inputs = self.inputs.to_device(shape)
         if previous is not None and any(s.num_pending for s in seqs):  # a prompt chunk's tokens are on the host
-            inputs.input_ids = self.inputs.previous_tokens(inputs.input_ids, seqs, previous.rows, previous.tokens,
-                                                           shape)
+            rows = self.inputs.pending_rows(seqs, previous.rows)
+            inputs.input_ids = self.inputs.previous_tokens(inputs.input_ids, rows, previous.tokens, shape)
         sampled = [s for s in seqs if s.samples] if shape.is_prefill else seqs
         if shape.is_prefill:  # per-request sampling state is built when a prompt's last chunk runs
             finished_prompts = [s for s in sampled if s.chunk is not None]
@@ -488,9 +488,7 @@ class ModelRunner:
         inputs = self.inputs.to_device(shape)
         pending = arrays.get("pending_rows")
         if pending is not None:
-            requests = [_PendingToken(row) for row in pending.tolist()]
-            inputs.input_ids = self.inputs.previous_tokens(inputs.input_ids, requests, _PendingToken.ROWS,
-                                                           shared_tokens, shape)
+            inputs.input_ids = self.inputs.previous_tokens(inputs.input_ids, pending, shared_tokens, shape)
         if self.device.type == "cuda":
             self._inputs_read = torch.cuda.Event()
             self._inputs_read.record()
@@ -514,20 +512,3 @@ class ModelRunner:
             hidden = hidden[inputs.logits_indices]
         return self.model.compute_logits(hidden)
 
-
-# -- followers only (tensor parallelism) ---------------------------------------------
-class _PendingToken:
-    """A request as ``InputBuilder.previous_tokens`` reads it, on a follower rank, which has no
-    ``Sequence``: whether its input token is pending, and its row among the shared tokens
-    (``ROWS[request]``, as ``LaunchedStep.rows`` on rank 0)."""
-
-    __slots__ = ("num_pending", "row")
-
-    class _Rows:
-        def __getitem__(self, request: "_PendingToken") -> int:
-            return request.row
-
-    ROWS = _Rows()
-
-    def __init__(self, row: int):
-        self.num_pending, self.row = int(row >= 0), row

@@ -39,7 +39,6 @@ import traceback
 from dataclasses import replace
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -228,8 +227,7 @@ class ParallelRunner:
             shape = local.inputs.fill_prefill(seqs) if is_prefill else local.inputs.fill_decode(seqs)
         arrays = local.inputs.export(shape)
         if previous is not None and any(s.num_pending for s in seqs):  # the test of ModelRunner.launch
-            rows = previous.rows
-            arrays["pending_rows"] = np.array([rows[s] if s.num_pending else -1 for s in seqs], dtype=np.int64)
+            arrays["pending_rows"] = local.inputs.pending_rows(seqs, previous.rows)
         self._channel.send(Message("step", shape, arrays, share_tokens=share_tokens))
         return shape
 
