@@ -26,8 +26,7 @@ import os
 import numpy as np
 
 from zipage.bench.common import print_table, write_json
-from zipage.bench.serving import (_ms, _ms_value, _server_model, _start_server, _warm_clients, client_pool,
-                                  itl_values, send_all_sync)
+from zipage.bench.serving import _ms, _ms_value, itl_values, send_all_sync, serving_target
 
 
 def _lengths(text: str) -> list[int]:
@@ -101,21 +100,10 @@ def run_interference_bench(args: argparse.Namespace) -> int:
         raise ValueError("--switch-interval is for a server started here, not --url")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = np.random.default_rng(args.workload_seed)
-    server = clients = None
     settings = {k: getattr(args, k) for k in ("background", "input_len", "output_len", "long_prompts",
                                               "long_repeats", "long_start", "long_rate", "long_output_len",
                                               "workload_seed")}
-    try:
-        if args.url:
-            base_url, vocab_size = args.url, args.vocab_size or 256
-            settings["server"] = args.url
-        else:
-            server, vocab_size, settings["server"] = _start_server(args)
-            base_url = server.url
-        model = _server_model(base_url, headers)
-        clients = client_pool()
-        _warm_clients(clients, base_url, model, headers)
-
+    with serving_target(args, headers, settings) as (base_url, vocab_size, model, clients, _):
         def body(prompt, max_tokens):
             return dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                         stream=True, stream_options={"continuous_usage_stats": True})
@@ -132,11 +120,6 @@ def run_interference_bench(args: argparse.Namespace) -> int:
               flush=True)
         results, duration, _ = clients.submit(send_all_sync, base_url, streams + long, arrivals, args.timeout,
                                               headers).result()
-    finally:
-        if clients is not None:
-            clients.shutdown()
-        if server is not None:
-            server.stop()
     report = summarize(results[:len(streams)], results[len(streams):], long_at, duration)
     w, t = report["itl_window_s"], report["ttft_long_s"]
     print_table([{"median step ms": _ms_value(report["median_decode_step_s"]), "ITL p50 ms": _ms_value(w["p50"]),

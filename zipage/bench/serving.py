@@ -44,6 +44,7 @@ import os
 import time
 from array import array
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -266,6 +267,30 @@ def _server_model(base_url: str, headers: dict) -> str:
     return response.json()["data"][0]["id"]
 
 
+@contextmanager
+def serving_target(args: argparse.Namespace, headers: dict, settings: dict):
+    """The server to measure (``--url``, or one started in this process) and the clients' child
+    process, warmed up: yields (base URL, prompt vocabulary size, model name, clients, the server
+    started here or None); stops what it started. ``settings["server"]`` says which."""
+    server = clients = None
+    try:
+        if args.url:
+            base_url, vocab_size = args.url, args.vocab_size or 256
+            settings["server"] = args.url
+        else:
+            server, vocab_size, settings["server"] = _start_server(args)
+            base_url = server.url
+        model = _server_model(base_url, headers)
+        clients = client_pool()
+        _warm_clients(clients, base_url, model, headers)
+        yield base_url, vocab_size, model, clients, server
+    finally:
+        if clients is not None:
+            clients.shutdown()
+        if server is not None:
+            server.stop()
+
+
 def run_serving_bench(args: argparse.Namespace) -> int:
     if args.simulated_step and args.url:
         raise ValueError("--simulated-step is for a server started here, not --url")
@@ -293,19 +318,9 @@ def run_random_bench(args: argparse.Namespace) -> int:
     if args.url and args.switch_interval is not None:
         raise ValueError("--switch-interval is for a server started here, not --url")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    server = clients = None
     settings = {k: getattr(args, k) for k in ("num_requests", "input_len", "output_len", "temperature",
                                               "workload_seed")}
-    try:
-        if args.url:
-            base_url, vocab_size = args.url, args.vocab_size or 256
-            settings["server"] = args.url
-        else:
-            server, vocab_size, settings["server"] = _start_server(args)
-            base_url = server.url
-        model = _server_model(base_url, headers)
-        clients = client_pool()
-        _warm_clients(clients, base_url, model, headers)
+    with serving_target(args, headers, settings) as (base_url, vocab_size, model, clients, server):
         rows = []
         for rate in rates:
             rng = np.random.default_rng(args.workload_seed)
@@ -328,11 +343,6 @@ def run_random_bench(args: argparse.Namespace) -> int:
             print(f"rate {row['rate']}: {row['completed']}/{row['num_requests']} done, "
                   f"{row['requests_per_s']:.2f} req/s, TTFT p50 {_ms(row['ttft_s']['p50'])}, "
                   f"ITL p50 {_ms(row['itl_s']['p50'])}", flush=True)
-    finally:
-        if clients is not None:
-            clients.shutdown()
-        if server is not None:
-            server.stop()
     result = {"benchmark": "serving", "model": model, "settings": settings, "rates": rows}
     print_table([{"rate": r["rate"], "req/s": r["requests_per_s"], "tok/s": r["output_tokens_per_s"],
                   "ttft_p50_ms": _ms_value(r["ttft_s"]["p50"]), "ttft_p99_ms": _ms_value(r["ttft_s"]["p99"]),
