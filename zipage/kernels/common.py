@@ -9,6 +9,12 @@ and then and stalls for a compile (a second or more) in the middle of serving.
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton for this platform: only the PyTorch twins are usable
+    triton = None
+
 
 def dot_precision(dtype: torch.dtype) -> str:
     """Matrix-unit precision for ``tl.dot``: exact IEEE products for float32 inputs
@@ -45,3 +51,67 @@ def quantize_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_fp8_torch(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q`` (float8 rows) times their ``scale`` (the shape of q without its last dimension)."""
     return (q.to(torch.float32) * scale[..., None].float()).to(dtype)
+
+
+def fast_fp8_widening(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether kernels widen float8 to ``dtype`` with ``fp8_to_bf16`` (bf16 on a GPU; the
+    Triton interpreter has no inline assembly, and other dtypes take Triton's conversion)."""
+    return FAST_FP8_WIDENING and dtype == torch.bfloat16 and device.type == "cuda"
+
+
+FAST_FP8_WIDENING = True  # False: Triton's own conversion everywhere (for comparisons)
+
+if triton is not None:
+
+    @triton.jit
+    def fp8_to_bf16(x):
+        """e4m3 -> bf16 with integer ops, four bytes at a time. Each byte ``s eeee mmm`` is
+        permuted into the low byte of a 16-bit lane, the lane's high byte filled with copies
+        of its sign (prmt's sign-replicating selectors 0x8-0xb); shifted left by 4, the lane
+        holds the sign bits above ``eeee mmm`` at bits 10..4; a mask keeps bit 15 (the sign)
+        and bits 10..4 (and drops what the shift pushed into the next lane). Those bits, read
+        as bf16, are the e4m3 value times 2**-120 (subnormals too): a bf16x2 multiply by 2**120
+        (0x7B80) makes it exact. Three integer ops and a half multiply per two elements, where
+        Triton's own conversion (through fp16) takes a quarter-rate conversion instruction per
+        element. NaN (0x7f) is not kept: weights and cached keys and values are finite."""
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 lo, hi, two120;
+            mov.b32 two120, 0x7B807B80;
+            prmt.b32 lo, $2, 0, 0x9180;
+            prmt.b32 hi, $2, 0, 0xB3A2;
+            shl.b32 lo, lo, 4;
+            shl.b32 hi, hi, 4;
+            and.b32 lo, lo, 0x87F087F0;
+            and.b32 hi, hi, 0x87F087F0;
+            mul.rn.bf16x2 $0, lo, two120;
+            mul.rn.bf16x2 $1, hi, two120;
+            }
+            """,
+            constraints="=r,=r,r",
+            args=[x.to(tl.uint8, bitcast=True)],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
+
+    @triton.jit
+    def widen_fp8(x, dtype: tl.constexpr, FAST: tl.constexpr):
+        """float8 ``x`` as ``dtype`` (exact): ``fp8_to_bf16`` when FAST (see fast_fp8_widening)."""
+        if FAST:
+            return fp8_to_bf16(x)
+        else:
+            return x.to(dtype)
+
+    @triton.jit
+    def load_kv_scales(k_scale_ptr, v_scale_ptr, pages, positions, stride_block, stride_slot, kv_head, mask,
+                       PAGE_SIZE: tl.constexpr):
+        """The float32 scales of the keys and values at ``positions`` (held in ``pages``) of one KV
+        head of a float8 cache; 0 where ``mask`` is off."""
+        offsets = pages.to(tl.int64) * stride_block + (positions % PAGE_SIZE) * stride_slot + kv_head
+        return (tl.load(k_scale_ptr + offsets, mask=mask, other=0.0),
+                tl.load(v_scale_ptr + offsets, mask=mask, other=0.0))
+
+else:
+    fp8_to_bf16 = widen_fp8 = load_kv_scales = None

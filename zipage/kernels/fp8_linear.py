@@ -32,7 +32,7 @@ A decode-sized GEMM must stream the weight at the memory's speed, so:
   register layout, two bytes at a time: slower.)
 - Conversion: ``fp8 -> bf16`` through Triton goes via fp16 and a conversion instruction
   that runs at a quarter of the ALU rate: about one per element, which alone caps a kernel
-  near 60% of an H200's copy bandwidth. ``_fp8_to_bf16_fast`` builds the bf16 bits with
+  near 60% of an H200's copy bandwidth. ``common.fp8_to_bf16`` builds the bf16 bits with
   integer ops on four bytes at once (three per two elements) and one bf16x2 multiply.
 - Split-K: with few output tiles (small N, or M = 1 with wide tiles) the K range is split so
   that enough programs stream the weight at once. Each split writes a float32 partial; the
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zipage.kernels.common import dot_precision
+from zipage.kernels.common import dot_precision, widen_fp8
 
 try:
     import triton
@@ -263,46 +263,6 @@ if triton is not None:
     _AMAX_FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
 
     @triton.jit
-    def _fp8_to_bf16_fast(w):
-        """e4m3 -> bf16 with integer ops, four bytes at a time. Each byte ``s eeee mmm`` is
-        permuted into the low byte of a 16-bit lane, the lane's high byte filled with copies
-        of its sign (prmt's sign-replicating selectors 0x8-0xb); shifted left by 4, the lane
-        holds the sign bits above ``eeee mmm`` at bits 10..4; a mask keeps bit 15 (the sign)
-        and bits 10..4 (and drops what the shift pushed into the next lane). Those bits, read
-        as bf16, are the e4m3 value times 2**-120 (subnormals too): a bf16x2 multiply by 2**120
-        (0x7B80) makes it exact. Three integer ops and a half multiply per two elements, where
-        Triton's own conversion (through fp16) takes a quarter-rate conversion instruction per
-        element. NaN (0x7f) is not kept: weights are finite."""
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 lo, hi, two120;
-            mov.b32 two120, 0x7B807B80;
-            prmt.b32 lo, $2, 0, 0x9180;
-            prmt.b32 hi, $2, 0, 0xB3A2;
-            shl.b32 lo, lo, 4;
-            shl.b32 hi, hi, 4;
-            and.b32 lo, lo, 0x87F087F0;
-            and.b32 hi, hi, 0x87F087F0;
-            mul.rn.bf16x2 $0, lo, two120;
-            mul.rn.bf16x2 $1, hi, two120;
-            }
-            """,
-            constraints="=r,=r,r",
-            args=[w.to(tl.uint8, bitcast=True)],
-            dtype=tl.bfloat16,
-            is_pure=True,
-            pack=4,
-        )
-
-    @triton.jit
-    def _convert(w, dtype: tl.constexpr, FAST_CVT: tl.constexpr):
-        if FAST_CVT:
-            return _fp8_to_bf16_fast(w)
-        else:
-            return w.to(dtype)
-
-    @triton.jit
     def _finish(acc, rm, rn, M, N, stride_om, scale_ptr, xscale_ptr, bias_ptr, out_ptr,
                 HAS_BIAS: tl.constexpr, HAS_XSCALE: tl.constexpr):
         """Scale (per channel, and per token for W8A8), add the bias, cast and store. ``acc``
@@ -378,7 +338,7 @@ if triton is not None:
                 w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0)
                 x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
             if not A8:
-                w = _convert(w, x.dtype, FAST_CVT)
+                w = widen_fp8(w, x.dtype, FAST_CVT)
             if SWAP_AB:
                 acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION, out_dtype=tl.float32)
             else:

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from zipage.kernels.common import dot_precision, is_fp8
+from zipage.kernels.common import dot_precision, fast_fp8_widening, is_fp8, load_kv_scales, widen_fp8
 import torch.nn.functional as F
 
 try:
@@ -58,6 +58,7 @@ if triton is not None:
         CAUSAL: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         FP8: tl.constexpr,
+        FAST_FP8: tl.constexpr,
     ):
         """Online-softmax update with keys key_begin:key_begin+BLOCK_N.
 
@@ -80,11 +81,10 @@ if triton is not None:
         if FP8:
             # float8 -> the query's dtype is exact; each key's scale multiplies its logit
             # and each value's scale its probability (the same products as dequantizing).
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-            scale_offsets = pages.to(tl.int64) * scale_stride_block + (positions % PAGE_SIZE) * scale_stride_slot
-            k_scale = tl.load(k_scale_ptr + scale_offsets + kv_head, mask=in_context, other=0.0)
-            v_scale = tl.load(v_scale_ptr + scale_offsets + kv_head, mask=in_context, other=0.0)
+            k = widen_fp8(k, q.dtype, FAST_FP8)
+            v = widen_fp8(v, q.dtype, FAST_FP8)
+            k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, pages, positions, scale_stride_block,
+                                              scale_stride_slot, kv_head, in_context, PAGE_SIZE)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
         else:
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -131,6 +131,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         FP8: tl.constexpr,
+        FAST_FP8: tl.constexpr,
     ):
         """One program per (BLOCK_M query rows, sequence, query head)."""
         q_tile = tl.program_id(0)
@@ -175,7 +176,7 @@ if triton is not None:
                 k_cache_ptr, v_cache_ptr, block_table_row, kv_head_offset,
                 cache_stride_block, cache_stride_slot, scale_log2,
                 k_scale_ptr, v_scale_ptr, scale_stride_block, scale_stride_slot, kv_head,
-                HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, FP8=FP8,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, FP8=FP8, FAST_FP8=FAST_FP8,
             )  # fmt: skip
         for key_begin in range(unmasked_end, key_end, BLOCK_N):
             row_max, row_sum, acc = _attend_tile(
@@ -183,7 +184,7 @@ if triton is not None:
                 k_cache_ptr, v_cache_ptr, block_table_row, kv_head_offset,
                 cache_stride_block, cache_stride_slot, scale_log2,
                 k_scale_ptr, v_scale_ptr, scale_stride_block, scale_stride_slot, kv_head,
-                HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION, FP8=FP8,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION, FP8=FP8, FAST_FP8=FAST_FP8,
             )  # fmt: skip
 
         result = acc / row_sum[:, None]
@@ -264,6 +265,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         FP8=fp8,
+        FAST_FP8=fp8 and fast_fp8_widening(q.dtype, q.device),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -1,0 +1,82 @@
+"""Tiles of the paged-decode kernel on a GPU: bf16 and float8 caches, Qwen3-8B heads.
+
+For each batch and context, times ``paged_decode_attention`` (20 calls in a CUDA graph)
+with the bf16 cache's tuned tile and, for a float8 cache, every candidate tile (tokens per
+K/V tile, num_warps, num_stages), widened by Triton's conversion and by
+``common.fp8_to_bf16``, after checking each
+output against the PyTorch twin. Prints ms and the share of the copy bandwidth on the
+bytes read (K, V and, for float8, their scales), and writes the rows as JSON.
+
+    python scripts/decode_tile_sweep.py [--batch 64,256] [--context 1024,4096] [--out tiles.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S
+from zipage.bench.kernels import _as_fp8, _graph_us, _paged_problem, _rel_err
+from zipage.kernels import common
+from zipage.kernels.paged_decode import decode_tile, paged_decode_attention, paged_decode_attention_torch
+
+TILES = [(32, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3), (128, 8, 2)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", default="64,256")
+    p.add_argument("--context", default="1024,4096")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    device = torch.device("cuda")
+    rows = []
+    for batch in [int(x) for x in args.batch.split(",")]:
+        for context in [int(x) for x in args.context.split(",")]:
+            k, v, tables, lens = _paged_problem(batch, context, args.block_size, args.heads, args.kv_heads,
+                                                args.head_dim, torch.bfloat16, device)
+            q = torch.randn(batch, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
+            scale = args.head_dim ** -0.5
+            for fp8 in (False, True):
+                kc, vc, scales = _as_fp8(k, v, fp8)
+                ref = paged_decode_attention_torch(q.float(), kc, vc, tables, lens, scale,
+                                                   **{n: t for n, t in scales.items()}) if fp8 else \
+                    paged_decode_attention_torch(q.float(), k.float(), v.float(), tables, lens, scale)
+                read = 2 * batch * context * args.kv_heads * (args.head_dim * kc.element_size() + (4 if fp8 else 0))
+                default = decode_tile(args.head_dim, kc.dtype)
+                for tile in (TILES if fp8 else [default]):  # bf16: its tuned tile, the yardstick
+                    for fast in ((False, True) if fp8 else (False,)):
+                        common.FAST_FP8_WIDENING = fast
+                        try:
+                            out = paged_decode_attention(q, kc, vc, tables, lens, scale, tile=tile, **scales)
+                            err = _rel_err(out, ref)
+                            ms = _graph_us(lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, tile=tile,
+                                                                          **scales), calls=20) / 1e3
+                        except Exception as e:  # a tile that does not fit (shared memory, registers)
+                            print(f"batch {batch} context {context} fp8 {fp8} tile {tile}: {type(e).__name__}")
+                            continue
+                        finally:
+                            common.FAST_FP8_WIDENING = True
+                        row = dict(batch=batch, context=context, cache="fp8" if fp8 else "bf16", tile=list(tile),
+                                   fast_widening=fast, default=tile == default, ms=ms, rel_err=err,
+                                   of_copy=read / (ms / 1e3) / COPY_BANDWIDTH_BYTES_PER_S)
+                        rows.append(row)
+                        print(f"batch {batch:4d} context {context:5d} {row['cache']:4s} tile {str(tile):13s} "
+                              f"fast {int(fast)} {'*' if row['default'] else ' '} {ms * 1e3:8.1f} us "
+                              f"{row['of_copy']:6.1%} of copy  err {err:.1e}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
