@@ -26,6 +26,7 @@ class AttentionMetadata:
     max_seqlen_q: int = 1
     max_seqlen_k: int = 0
     has_cached_prefix: bool = False  # some prefill sequence reads KV it did not compute this step
+    total_seqlen_k: int = 0  # prefill: context_lens summed (known on the host), for gathering the context
     query_slots: torch.Tensor | None = None  # [num_tokens] query-cache row of each token (compression)
     # A step mixing decodes with prompt chunks (chunked prefill): its leading one-token decode
     # rows and its chunks, each as a step of its own, so that the decodes attend through the
@@ -33,6 +34,9 @@ class AttentionMetadata:
     # through the prefill path. None otherwise.
     decode_part: "AttentionMetadata | None" = None
     chunk_part: "AttentionMetadata | None" = None
+    # Filled by the attention backend at a step's first layer, reused by the others (a backend's
+    # per-step scratch, e.g. the cache slots of every sequence's context for flash prefill).
+    backend_state: dict | None = None
 
 
 _current: AttentionMetadata | None = None

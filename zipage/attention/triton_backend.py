@@ -1,9 +1,14 @@
 """GPU attention: Triton kernels for the cache and decode, flash attention for prefill.
 
-Prefill without a cached prefix reads keys/values straight from the step's
-projections through torch's variable-length flash attention when this torch has
-it; otherwise, and whenever a prefix comes from the cache, a Triton kernel reads
-the paged cache.
+Prefill goes through torch's variable-length flash attention when this torch has it.
+Without a cached prefix it reads the keys and values straight from the step's
+projections. With one (a prompt chunk after the first, or a prefix-cache hit), every
+sequence's context is first gathered from the paged cache into one packed tensor (a
+float8 cache dequantized to the queries' dtype), which costs a copy of the context's
+keys and values per layer: for a chunk of n queries over c keys, 4 * c * kv_heads *
+head_dim bytes against 4 * n * c * heads * head_dim FLOPs of attention, small beside
+them from a few dozen queries on. Without flash attention (or in float32) the Triton
+kernel reads the paged cache itself.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ except ImportError:  # torch < 2.10
     varlen_attn, _VARLEN_PARAMS = None, set()
 
 
-def _flash_prefill(q, k, v, meta, scale):
-    """Causal varlen flash attention over the packed new tokens (no cached prefix)."""
+def _attend_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """Causal varlen flash attention; with more keys than queries the diagonal is aligned at
+    the end (query i of a sequence of n queries over c keys sees keys 0..c - n + i)."""
     kwargs = {}
     if "scale" in _VARLEN_PARAMS:
         kwargs["scale"] = scale
@@ -39,8 +45,45 @@ def _flash_prefill(q, k, v, meta, scale):
         else:
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    cu = meta.cu_seqlens_q
-    return varlen_attn(q, k, v, cu, cu, meta.max_seqlen_q, meta.max_seqlen_q, **kwargs)
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+# The packed context of a step is gathered only up to this size (its keys and values); past it
+# the Triton kernel reads the paged cache in place, so that a long context never needs a
+# large transient next to a cache that fills the rest of the memory.
+FLASH_GATHER_MAX_BYTES = 1 << 30
+
+
+def context_slots(meta, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the cache slot of every key of every sequence's context, packed in sequence order;
+    cu_seqlens_k) for a prefill step's metadata, on the device without a host sync."""
+    lens = meta.context_lens.long()
+    cu_k = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
+    torch.cumsum(lens, 0, out=cu_k[1:])
+    total = meta.total_seqlen_k
+    seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens, output_size=total)
+    pos = torch.arange(total, device=lens.device) - cu_k[:-1].long()[seq]
+    page = meta.block_tables.long()[seq, pos // block_size]
+    return page * block_size + pos % block_size, cu_k
+
+
+def gather_context(k_cache, v_cache, meta, dtype, k_scale=None, v_scale=None):
+    """(keys, values, cu_seqlens_k): every sequence's context [total_seqlen_k, kv_heads,
+    head_dim] in ``dtype``, packed; a float8 cache times its scales (each product rounded
+    once to ``dtype``). The slots are computed at a step's first layer and kept in
+    ``meta.backend_state`` for the others."""
+    if meta.backend_state is None:
+        meta.backend_state = {}
+    if "context_slots" not in meta.backend_state:
+        meta.backend_state["context_slots"] = context_slots(meta, k_cache.shape[1])
+    slots, cu_k = meta.backend_state["context_slots"]
+    kv_heads, head_dim = k_cache.shape[2:]
+    keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
+    values = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
+    if k_scale is not None:  # float8 -> dtype is exact; the in-place products run in float32
+        keys = keys.to(dtype).mul_(k_scale.view(-1, kv_heads).index_select(0, slots)[..., None])
+        values = values.to(dtype).mul_(v_scale.view(-1, kv_heads).index_select(0, slots)[..., None])
+    return keys, values, cu_k
 
 
 class TritonBackend(AttentionBackend):
@@ -56,12 +99,18 @@ class TritonBackend(AttentionBackend):
                  k_scale=k_scale, v_scale=v_scale)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None):
-        # Without a cached prefix, flash attention reads the step's keys and values as computed
-        # (also with a float8 cache: later steps read them quantized).
-        flash_ok = (self.use_flash_prefill and not meta.has_cached_prefix and q.dtype != torch.float32
+        flash_ok = (self.use_flash_prefill and q.dtype != torch.float32
                     and ("scale" in _VARLEN_PARAMS or abs(scale - q.shape[-1] ** -0.5) < 1e-12))
-        if flash_ok:
-            return _flash_prefill(q, k, v, meta, scale)
+        if flash_ok and not meta.has_cached_prefix:
+            # The step's keys and values as computed (also with a float8 cache: later steps
+            # read them quantized).
+            cu = meta.cu_seqlens_q
+            return _attend_flash(q, k, v, cu, cu, meta.max_seqlen_q, meta.max_seqlen_q, scale)
+        gathered_bytes = 2 * meta.total_seqlen_k * k_cache.shape[2] * k_cache.shape[3] * q.element_size()
+        if flash_ok and 0 < gathered_bytes <= FLASH_GATHER_MAX_BYTES:
+            keys, values, cu_k = gather_context(k_cache, v_cache, meta, q.dtype, k_scale, v_scale)
+            return _attend_flash(q, keys, values, meta.cu_seqlens_q, cu_k, meta.max_seqlen_q, meta.max_seqlen_k,
+                                 scale)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                        meta.context_lens, meta.max_seqlen_q, scale, k_scale=k_scale, v_scale=v_scale)
 

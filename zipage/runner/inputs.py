@@ -39,6 +39,7 @@ class StepShape:
     has_cached_prefix: bool
     num_sampled: int = -1  # prefill: rows that sample (a prompt's earlier chunks do not); -1: all
     num_decodes: int = 0  # prefill: the leading rows that decode (one token each) beside the chunks
+    chunk_keys: int = 0  # prefill: the keys the chunks attend to, summed over the chunks
 
 
 class HostBuffer:
@@ -100,7 +101,7 @@ class InputBuilder:
         table, width = self._block_tables(seqs)
         cu = self.cu_seqlens.np
         cu[0] = 0
-        n, max_q, max_k, cached, sampled, decodes = 0, 0, 0, False, 0, 0
+        n, max_q, max_k, cached, sampled, decodes, keys = 0, 0, 0, False, 0, 0, 0
         for i, seq in enumerate(seqs):
             if seq.chunk is None:  # decoding: its last token, possibly still on the device (patched there)
                 assert decodes == i, f"{seq}: decoding rows come before prompt chunks"
@@ -133,7 +134,8 @@ class InputBuilder:
             max_k = max(max_k, kv_start + q_len)
             if seq.chunk is not None:  # (the decoding rows take the decode path: see to_device)
                 max_q, cached = max(max_q, q_len), cached or kv_start > 0
-        return StepShape(True, len(seqs), n, width, max_q or 1, max_k, cached, sampled, decodes)
+                keys += kv_start + q_len
+        return StepShape(True, len(seqs), n, width, max_q or 1, max_k, cached, sampled, decodes, keys)
 
     def fill_decode(self, seqs: list[Sequence]) -> StepShape:
         """Write a decode step's numbers into the host buffers."""
@@ -206,6 +208,7 @@ class InputBuilder:
         logits_indices = None
         if shape.is_prefill:
             meta.cu_seqlens_q = self.cu_seqlens.to_device(b + 1)
+            meta.total_seqlen_k = shape.chunk_keys
             logits_indices = self.logits_rows.to_device(shape.num_sampled)
             d = shape.num_decodes
             if d:  # decodes beside chunks: a decode step and a prefill step (views of the same tensors)
@@ -216,7 +219,7 @@ class InputBuilder:
                     is_prefill=True, slot_mapping=meta.slot_mapping[d:], context_lens=meta.context_lens[d:],
                     block_tables=meta.block_tables[d:], cu_seqlens_q=meta.cu_seqlens_q[d:] - d,
                     max_seqlen_q=shape.max_seqlen_q, max_seqlen_k=shape.max_seqlen_k,
-                    has_cached_prefix=shape.has_cached_prefix)
+                    has_cached_prefix=shape.has_cached_prefix, total_seqlen_k=shape.chunk_keys)
         return ModelInputs(self.input_ids.to_device(n), self.positions.to_device(n), meta,
                            logits_indices=logits_indices, num_seqs=b)
 

@@ -1,0 +1,139 @@
+"""Prompt chunks behind a cached prefix through flash attention: the context gathered from
+the paged cache, then varlen attention with its diagonal aligned at the end.
+
+On the CPU, torch has no varlen flash attention: a stand-in with the same signature (one
+masked SDPA per sequence, the mask aligned at the end) checks the gathering, the packing
+of unequal contexts and the float8 dequantization against the paged-prefill twin. The
+CUDA test runs torch's varlen attention itself against the Triton paged-prefill kernel,
+which checks the end alignment the stand-in assumes.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import zipage.attention.triton_backend as tb  # noqa: E402
+from zipage.attention.metadata import AttentionMetadata  # noqa: E402
+from zipage.kernels.common import FP8_DTYPE, quantize_fp8_torch  # noqa: E402
+from zipage.kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_torch  # noqa: E402
+from tests.conftest import relative_error  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 8
+
+
+def varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+    """Causal varlen attention, each sequence's diagonal aligned at its last key."""
+    assert window_size == (-1, 0) and enable_gqa
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        n, c = qs.stop - qs.start, ks.stop - ks.start
+        assert n <= max_q and c <= max_k
+        visible = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]
+        queries = q[qs].transpose(0, 1).float()
+        keys = k[ks].transpose(0, 1).float().repeat_interleave(group, 0)
+        values = v[ks].transpose(0, 1).float().repeat_interleave(group, 0)
+        out[qs] = F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible,
+                                                 scale=scale).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def chunk_step(device, dtype, chunks, seed=0, fp8=False):
+    """A prefill step of chunks (queries, context) over random paged caches: (q, caches,
+    scales, metadata)."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-context // BLOCK) for _, context in chunks]
+    num_blocks = sum(pages) + 3
+    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g)
+    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g)
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(chunks), max(pages), dtype=torch.int32)
+    used = 0
+    for i, p in enumerate(pages):
+        tables[i, :p] = order[used:used + p]
+        used += p
+    cu_q = torch.tensor([0] + [n for n, _ in chunks]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), HEADS, HEAD_DIM, generator=g).to(device, dtype)
+    scales = {}
+    if fp8:
+        k_cache, k_scale = quantize_fp8_torch(k_cache)
+        v_cache, v_scale = quantize_fp8_torch(v_cache)
+        scales = dict(k_scale=k_scale.to(device), v_scale=v_scale.to(device))
+    else:
+        k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    lens = torch.tensor([c for _, c in chunks], dtype=torch.int32)
+    meta = AttentionMetadata(
+        is_prefill=True, slot_mapping=torch.empty(0, device=device), context_lens=lens.to(device),
+        block_tables=tables.to(device), cu_seqlens_q=cu_q.to(device), max_seqlen_q=max(n for n, _ in chunks),
+        max_seqlen_k=int(lens.max()), has_cached_prefix=True, total_seqlen_k=int(lens.sum()))
+    return q, k_cache.to(device), v_cache.to(device), scales, meta
+
+
+CHUNKS = [(5, 21), (1, 9), (8, 8), (3, 40)]  # (queries, context): prefixes of 16, 8, 0 and 37 tokens
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gathered_context_through_varlen_equals_paged_prefill(monkeypatch, fp8):
+    if fp8 and FP8_DTYPE is None:
+        pytest.skip("this torch has no float8")
+    monkeypatch.setattr(tb, "varlen_attn", varlen_stand_in)
+    monkeypatch.setattr(tb, "_VARLEN_PARAMS", {"scale", "window_size", "enable_gqa"})
+    dtype = torch.float16
+    q, k_cache, v_cache, scales, meta = chunk_step("cpu", dtype, CHUNKS, fp8=fp8)
+    backend = tb.TritonBackend(use_flash_prefill=True)
+    out = backend.prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5, **scales)
+    assert meta.backend_state and "context_slots" in meta.backend_state  # kept for the next layers
+    ref = paged_prefill_attention_torch(q.float(), k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                        meta.context_lens, meta.max_seqlen_q, HEAD_DIM ** -0.5, **scales)
+    assert relative_error(out, ref) < 2e-3
+    # The second layer reuses the slots and agrees.
+    again = backend.prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5, **scales)
+    assert torch.equal(again, out)
+
+
+def test_context_slots_follow_the_block_tables():
+    q, k_cache, v_cache, _, meta = chunk_step("cpu", torch.float32, CHUNKS)
+    slots, cu_k = tb.context_slots(meta, BLOCK)
+    assert cu_k.tolist() == [0, 21, 30, 38, 78]
+    for i, (_, context) in enumerate(CHUNKS):
+        for pos in (0, context // 2, context - 1):
+            expected = int(meta.block_tables[i, pos // BLOCK]) * BLOCK + pos % BLOCK
+            assert int(slots[int(cu_k[i]) + pos]) == expected
+
+
+def test_a_context_too_large_to_gather_reads_the_cache_in_place(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tb, "varlen_attn", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(tb, "_VARLEN_PARAMS", {"scale", "window_size", "enable_gqa"})
+    monkeypatch.setattr(tb, "FLASH_GATHER_MAX_BYTES", 100)
+    monkeypatch.setattr(tb, "paged_prefill_attention", paged_prefill_attention_torch)  # CPU tensors on any run
+    q, k_cache, v_cache, _, meta = chunk_step("cpu", torch.float16, CHUNKS)
+    out = tb.TritonBackend(use_flash_prefill=True).prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+    ref = paged_prefill_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                                        meta.max_seqlen_q, HEAD_DIM ** -0.5)
+    assert not calls and torch.equal(out, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+                    or tb.varlen_attn is None, reason="needs a CUDA GPU with varlen flash attention")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_flash_chunks_equal_the_paged_prefill_kernel(fp8):
+    # Realistic sizes: chunks of 64-512 queries behind prefixes of up to 3,000 tokens.
+    global HEADS, KV_HEADS, HEAD_DIM, BLOCK
+    saved = HEADS, KV_HEADS, HEAD_DIM, BLOCK
+    HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 256
+    try:
+        chunks = [(512, 3000), (64, 64), (200, 1300), (1, 777)]
+        q, k_cache, v_cache, scales, meta = chunk_step("cuda", torch.bfloat16, chunks, seed=3, fp8=fp8)
+        out = tb.TritonBackend(use_flash_prefill=True).prefill(q, None, None, k_cache, v_cache, meta,
+                                                               HEAD_DIM ** -0.5, **scales)
+        ref = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                                      meta.max_seqlen_q, HEAD_DIM ** -0.5, **scales)
+        assert relative_error(out, ref) < 1e-2
+    finally:
+        HEADS, KV_HEADS, HEAD_DIM, BLOCK = saved
