@@ -209,7 +209,8 @@ def test_decodes_beside_chunks_take_the_decode_path(checkpoint_dir, hf_greedy):
     from zipage.attention.metadata import get_attention_metadata
 
     model_dir = checkpoint_dir("qwen3")
-    llm = make_llm(model_dir, block_size=16, max_num_seqs=4, max_num_batched_tokens=8)
+    # Chunks cost their tokens only (prefill_attention_span=0), so that their sizes are known.
+    llm = make_llm(model_dir, block_size=16, max_num_seqs=4, max_num_batched_tokens=8, prefill_attention_span=0)
     backend = llm.engine.runner.backend
     calls = []
     decode, prefill = backend.decode, backend.prefill

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import itertools
 
+import math
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,12 +32,13 @@ def fake_token(request_id: str, position: int, vocab: int = 3) -> int:
 
 class FakeEngine:
     def __init__(self, num_blocks, block_size, max_num_seqs, max_model_len, max_num_batched_tokens=None,
-                 prefix_caching=True, chunked=False):
+                 prefix_caching=True, chunked=False, attention_span=None):
         """``chunked``: chunked prefill (the engine's default); the structural checks of the steps
         below are those of whole-prompt prefills unless it is set."""
         assert max_model_len <= num_blocks * block_size  # as LLMEngine guarantees
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                 max_model_len=max_model_len, enable_chunked_prefill=chunked)
+                                 max_model_len=max_model_len, enable_chunked_prefill=chunked,
+                                 prefill_attention_span=attention_span)
         config.resolve(max_model_len)
         self.config = config
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
@@ -188,8 +191,15 @@ class FakeEngine:
             assert len(seq.block_table) == -(-seq.num_tokens // bs), "blocks for the whole prompt at admission"
         for seq in decodes:
             assert not seq.prefilling and seq.kv_len == seq.num_tokens - 1
+        # What the step spent of the budget: a token per decode, each chunk at its cost.
+        costs = [self.scheduler._chunk_cost(s.chunk[1], s.chunk[0]) for s in chunks]
+        spent = len(decodes) + sum(costs)
+        # (A chunk gets at least one token while budget is left: only a last one of one token
+        # may overshoot.)
+        assert not chunks or spent <= budget or chunks[-1].chunk[1] == 1 and spent - costs[-1] < budget, \
+            "chunks beyond the budget"
         started = [s for s in running_before if s.prefilling and s.status is SequenceStatus.RUNNING]
-        if started and batch.num_tokens < budget:  # prompts already started go on before new ones
+        if started and spent < budget:  # prompts already started go on before new ones
             assert all(s in chunks for s in started)
 
     def check_state(self) -> None:
@@ -387,6 +397,7 @@ def workloads(draw):
     chunked = draw(st.booleans())
     max_num_batched_tokens = draw(st.integers(1 if chunked else max_model_len, 2 * max_model_len))
     prefix_caching = draw(st.booleans())
+    attention_span = draw(st.sampled_from([None, 3, 20])) if chunked else None
     prefixes = [draw(st.lists(st.integers(0, 2), min_size=1, max_size=max_model_len - 1)) for _ in range(2)]
     requests = []
     for i in range(draw(st.integers(1, 8))):
@@ -402,7 +413,7 @@ def workloads(draw):
         requests.append((arrival, f"q{i}", prompt, max_tokens))
     return dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                prefix_caching=prefix_caching, chunked=chunked), requests
+                prefix_caching=prefix_caching, chunked=chunked, attention_span=attention_span), requests
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -419,6 +430,43 @@ def test_random_workloads_finish_without_deadlock(workload):
         bound += sum((len(r[2]) + r[3]) * (r[3] + 1) for r in requests)
     eng.run(requests, max_steps=bound)
     eng.check_done()
+
+
+def test_chunk_cost_counts_attention_to_what_came_before():
+    config = SchedulerConfig(max_num_batched_tokens=512, max_model_len=100_000, prefill_attention_span=1000)
+    config.resolve(100_000)
+    sched = Scheduler(config, BlockManager(8, 16))
+    for cached in (0, 100, 1000, 10_000, 100_000):
+        n = sched._chunk_tokens(512, cached)
+        cost = n * (1 + (cached + n / 2) / 1000)
+        assert sched._chunk_cost(n, cached) == math.ceil(cost)
+        assert n == 1 or sched._chunk_cost(n, cached) <= 512 < sched._chunk_cost(n + 1, cached)
+    # n (1 + n / 2000) <= 512 from the start; deep into a prompt far fewer; never none.
+    assert sched._chunk_tokens(512, 0) == 422
+    assert sched._chunk_tokens(512, 10_000) == 46
+    assert sched._chunk_tokens(512, 10 ** 9) == 1 and sched._chunk_tokens(1, 0) == 1
+    config.prefill_attention_span = 0  # a chunk costs its tokens
+    assert sched._chunk_tokens(512, 10 ** 9) == 512 and sched._chunk_cost(512, 10 ** 9) == 512
+
+
+def test_chunks_shrink_as_a_long_prompt_advances():
+    """One long prompt beside a decoding request: each chunk gets what its cost leaves of the
+    budget, fewer tokens the more of the prompt is cached, and the prompt still finishes."""
+    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=2, max_model_len=250, max_num_batched_tokens=24,
+                     chunked=True, attention_span=40)
+    schedule, sizes = eng.scheduler.schedule, []
+
+    def recording():
+        batch = schedule()
+        sizes.extend(s.chunk[1] for s in (batch.seqs if batch else []) if s.request_id == "long" and s.chunk)
+        return batch
+
+    eng.scheduler.schedule = recording
+    eng.run([(0, "short", [1, 2], 30), (1, "long", [1, 2, 0] * 70, 5)], max_steps=400)
+    eng.check_done()
+    body = sizes[:-1]  # (the last chunk is what is left of the prompt)
+    assert sum(sizes) == 210 and len(body) > 10
+    assert body == sorted(body, reverse=True) and body[0] > 2 * body[-1]
 
 
 @pytest.mark.parametrize("chunk", [None, 3])

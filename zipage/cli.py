@@ -24,6 +24,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt whole, in a step of its own (the default splits prompts into "
                         "chunks of at most --max-num-batched-tokens, run beside the decoding requests)")
+    g.add_argument("--prefill-attention-span", type=int, default=None,
+                   help="a prompt chunk of n tokens after p cached ones costs n * (1 + (p + n/2) / SPAN) of "
+                        "--max-num-batched-tokens, so that chunks of long prompts stay cheap (default: from the "
+                        "model's FLOPs; 0: a chunk costs its tokens)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
                    help="log probabilities of the model's logits (raw) or of the distribution sampled from "
@@ -72,7 +76,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
                 async_scheduling=not args.no_async_scheduling,
-                enable_chunked_prefill=not getattr(args, "no_chunked_prefill", False), seed=args.seed, load_format=args.load_format,
+                enable_chunked_prefill=not getattr(args, "no_chunked_prefill", False),
+                prefill_attention_span=getattr(args, "prefill_attention_span", None), seed=args.seed,
+                load_format=args.load_format,
                 tensor_parallel_size=args.tensor_parallel_size, logprobs_mode=args.logprobs_mode,
                 structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
                 kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,

@@ -83,6 +83,13 @@ class SchedulerConfig:
     # Prefill prompts in chunks of at most max_num_batched_tokens, in steps that also decode the
     # running requests (decodes first). Off: a prompt is prefilled whole, in a step of its own.
     enable_chunked_prefill: bool = True
+    # What a prompt chunk costs of max_num_batched_tokens. A chunk of n tokens after p cached
+    # ones runs the linear layers for n tokens and attention over about n * (p + n / 2) key
+    # pairs, so it costs n * (1 + (p + n / 2) / span) tokens, where span is the keys whose
+    # attention costs as many FLOPs as one token's linear layers: later chunks of a long prompt
+    # get fewer tokens and a step's time stays bounded. None: the model's span (computed from
+    # its config at load; 23,552 for Qwen3-8B); 0: a chunk costs its tokens only.
+    prefill_attention_span: int | None = None
 
     def __post_init__(self):
         _check(isinstance(self.async_scheduling, bool),
@@ -93,6 +100,9 @@ class SchedulerConfig:
                f"max_num_seqs must be an integer in [1, 65536], got {self.max_num_seqs!r}")
         _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
                f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
+        _check(self.prefill_attention_span is None
+               or (_is_int(self.prefill_attention_span) and self.prefill_attention_span >= 0),
+               f"prefill_attention_span must be an integer >= 0 or None, got {self.prefill_attention_span!r}")
         _check(self.max_num_batched_tokens is None
                or (_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1),
                f"max_num_batched_tokens must be a positive integer or None, got {self.max_num_batched_tokens!r}")

@@ -27,7 +27,7 @@ from zipage.compression.planner import request_max_blocks
 from zipage.config import EngineConfig
 from zipage.engine.block_manager import BlockManager
 from zipage.engine.detokenizer import IncrementalDetokenizer
-from zipage.engine.scheduler import ScheduledBatch, Scheduler
+from zipage.engine.scheduler import ScheduledBatch, Scheduler, model_attention_span
 from zipage.engine.sequence import Sequence
 from zipage.outputs import CompletionOutput, RequestOutput
 from zipage.sampling_params import ParameterError, SamplingParams
@@ -87,6 +87,8 @@ class LLMEngine:
         self.hf_config = load_config(config.model, config.trust_remote_code)
         model_max_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         config.resolve(model_max_len)
+        if config.scheduler.prefill_attention_span is None:
+            config.scheduler.prefill_attention_span = model_attention_span(self.hf_config)
         self.tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         self.runner = runner if runner is not None else make_runner(config, self.hf_config)
         self.vocab_size = self.runner.vocab_size

@@ -15,6 +15,11 @@ takes its blocks chunk by chunk, and before each chunk compresses once it holds 
 blocks, as a decoding request does (the observation window: the last ``window`` prompt
 tokens computed), so it never holds more than N blocks plus one chunk.
 
+A chunk's cost against the token budget counts its attention too
+(``SchedulerConfig.prefill_attention_span``): a chunk deep into a long prompt attends to
+all that came before it, so it gets fewer tokens, and a step that carries one takes
+about as long as one that starts a prompt.
+
 With compression, a decode step also plans compactions (``compression/planner.py``)
 and follows the hybrid scheduling of Compressed PagedAttention:
 
@@ -49,6 +54,8 @@ scheduler plans through it and asks it which requests are being compressed.
 """
 
 from __future__ import annotations
+
+import math
 
 import time
 from collections import deque
@@ -89,6 +96,23 @@ class ScheduledBatch:
         if not self.is_prefill:
             return self.seqs
         return [s for s in self.seqs if s.samples]
+
+
+def model_attention_span(hf_config) -> int:
+    """The default ``SchedulerConfig.prefill_attention_span`` of a model: the keys whose
+    attention costs as many FLOPs (4 * heads * head_dim a key and layer: QK^T and PV) as one
+    token's linear layers (2 per weight of a layer's projections and MLP; a mixture of experts
+    counts the experts a token goes to). Qwen3-8B: 23,552; Qwen3-30B-A3B: 6,912."""
+    c = getattr(hf_config, "text_config", None) or hf_config
+    hidden, heads = c.hidden_size, c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    if getattr(c, "num_experts", 0) and getattr(c, "moe_intermediate_size", 0):
+        mlp = 3 * hidden * c.moe_intermediate_size * c.num_experts_per_tok
+    else:
+        mlp = 3 * hidden * c.intermediate_size
+    weights = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + mlp
+    return max(1, round(2 * weights / (4 * heads * head_dim)))
 
 
 class WaitingQueue:
@@ -249,9 +273,27 @@ class Scheduler:
             admitted.append(seq)
         return ScheduledBatch(admitted, is_prefill=True) if admitted else None
 
+    def _chunk_tokens(self, budget: int, cached: int) -> int:
+        """The most tokens of a chunk after ``cached`` tokens whose cost (``_chunk_cost``) fits
+        ``budget``; at least one, so that a prompt deep into a long context still advances."""
+        span = self.config.prefill_attention_span
+        if not span:
+            return budget
+        # n * (1 + (cached + n / 2) / span) <= budget, solved for n.
+        a = 1.0 + cached / span
+        n = int(span * (math.sqrt(a * a + 2.0 * budget / span) - a))
+        while n > 1 and self._chunk_cost(n, cached) > budget:  # rounding
+            n -= 1
+        return max(1, min(n, budget))
+
+    def _chunk_cost(self, n: int, cached: int) -> int:
+        """What a chunk of ``n`` tokens after ``cached`` ones costs of max_num_batched_tokens."""
+        span = self.config.prefill_attention_span
+        return n if not span else math.ceil(n * (1.0 + (cached + n / 2) / span))
+
     def _schedule_chunks(self, budget: int) -> list[Sequence]:
-        """Chunked prefill: ``budget`` tokens of prompts, those started first (oldest first),
-        then newly admitted requests."""
+        """Chunked prefill: ``budget`` of prompts' chunks (each at its ``_chunk_cost``), those
+        started first (oldest first), then newly admitted requests."""
         bm, chunks = self.block_manager, []
         for seq in self.running:
             if not seq.prefilling or seq.status is not SequenceStatus.RUNNING or self._compressing(seq):
@@ -261,7 +303,8 @@ class Scheduler:
                     continue  # its next chunk waits for the compaction (or for room to plan it)
             if budget <= 0:
                 continue
-            n = min(budget, len(seq.token_ids) - seq.num_computed)
+            cached = seq.kv_len
+            n = min(self._chunk_tokens(budget, cached), len(seq.token_ids) - seq.num_computed)
             if seq.compress_prefill:  # its blocks come chunk by chunk
                 n = min(n, bm.room(seq))
                 if n <= 0:
@@ -269,7 +312,7 @@ class Scheduler:
                 bm.extend(seq, n)
             bm.schedule_chunk(seq, n)
             chunks.append(seq)
-            budget -= n
+            budget -= self._chunk_cost(n, cached)
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.first()
             if seq.compress_prefill:
@@ -277,18 +320,20 @@ class Scheduler:
                 if seq.num_pending or not self.free_query_slots:
                     break
                 start = bm.cached_prefix_tokens(seq)
-                n = min(budget, len(seq.token_ids) - start, bm.allocatable_tokens(seq) - start)
+                n = min(self._chunk_tokens(budget, start), len(seq.token_ids) - start,
+                        bm.allocatable_tokens(seq) - start)
                 if n <= 0:
                     break
                 self._admit(seq, start + n)
             elif self._can_admit(seq):
                 self._admit(seq)
-                n = min(budget, len(seq.token_ids) - seq.num_computed)
+                start = seq.num_computed
+                n = min(self._chunk_tokens(budget, start), len(seq.token_ids) - start)
             else:
                 break
             bm.schedule_chunk(seq, n)
             chunks.append(seq)
-            budget -= n
+            budget -= self._chunk_cost(n, start)
         return chunks
 
     def _unblock_prompts(self, batch: ScheduledBatch) -> list[Sequence]:
