@@ -232,3 +232,31 @@ def test_decodes_beside_chunks_take_the_decode_path(checkpoint_dir, hf_greedy):
     # request 0's prompt (5 tokens), then request 1's 40 in chunks of 8 - 1 decode: 7 x 5, then 5
     assert chunk_rows == {5, 7}
     assert any(s.is_prefill and s.num_decodes == 1 for s in steps)
+
+
+def test_chunks_priced_by_the_models_attention_span_match_transformers(checkpoint_dir, hf_greedy):
+    """prefill_attention_span=None takes the span from the model's sizes; the chunks of a long
+    prompt then shrink as it advances, and the tokens stay transformers'."""
+    from transformers import AutoConfig
+
+    from zipage.engine.scheduler import model_attention_span
+
+    model_dir = checkpoint_dir("qwen3")
+    llm = make_llm(model_dir, block_size=16, max_num_seqs=4, max_num_batched_tokens=48, prefill_attention_span=None)
+    span = llm.engine.config.scheduler.prefill_attention_span
+    assert span == model_attention_span(AutoConfig.from_pretrained(model_dir)) > 0
+    scheduler, sizes = llm.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        sizes.extend(s.chunk[1] for s in (batch.seqs if batch else []) if s.request_id == "long" and s.chunk)
+        return batch
+
+    scheduler.schedule = recording
+    prompts = _prompts(23, llm.engine.vocab_size, [3, 2 * span])
+    done, _ = _run_steps(llm, {0: [("short", prompts[0], _greedy())], 1: [("long", prompts[1], _greedy())]})
+    for request_id, prompt in zip(("short", "long"), prompts):
+        assert done[request_id].outputs[0].token_ids == hf_greedy(model_dir, prompt, NEW_TOKENS)
+    assert sum(sizes) == 2 * span and sizes[0] > 2 * sizes[-2]
+    assert_pool_full(llm)

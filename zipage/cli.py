@@ -24,10 +24,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt whole, in a step of its own (the default splits prompts into "
                         "chunks of at most --max-num-batched-tokens, run beside the decoding requests)")
-    g.add_argument("--prefill-attention-span", type=int, default=None,
+    g.add_argument("--prefill-attention-span", type=_attention_span, default=0, metavar="SPAN|model",
                    help="a prompt chunk of n tokens after p cached ones costs n * (1 + (p + n/2) / SPAN) of "
-                        "--max-num-batched-tokens, so that chunks of long prompts stay cheap (default: from the "
-                        "model's FLOPs; 0: a chunk costs its tokens)")
+                        "--max-num-batched-tokens, so that chunks deep into long prompts get fewer tokens "
+                        "('model': the span from the model's FLOPs; default 0: a chunk costs its tokens)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
                    help="log probabilities of the model's logits (raw) or of the distribution sampled from "
@@ -63,6 +63,18 @@ def add_trust_remote_code_arg(parser) -> None:
                              "without this such a model is refused")
 
 
+def _attention_span(text: str) -> int | None:
+    if text == "model":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 'model' or an integer >= 0, got {text!r}")
+    return value
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     from zipage.config import CompressionConfig
     compression = None
@@ -77,7 +89,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
                 async_scheduling=not args.no_async_scheduling,
                 enable_chunked_prefill=not getattr(args, "no_chunked_prefill", False),
-                prefill_attention_span=getattr(args, "prefill_attention_span", None), seed=args.seed,
+                prefill_attention_span=getattr(args, "prefill_attention_span", 0), seed=args.seed,
                 load_format=args.load_format,
                 tensor_parallel_size=args.tensor_parallel_size, logprobs_mode=args.logprobs_mode,
                 structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,

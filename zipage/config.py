@@ -88,8 +88,12 @@ class SchedulerConfig:
     # pairs, so it costs n * (1 + (p + n / 2) / span) tokens, where span is the keys whose
     # attention costs as many FLOPs as one token's linear layers: later chunks of a long prompt
     # get fewer tokens and a step's time stays bounded. None: the model's span (computed from
-    # its config at load; 23,552 for Qwen3-8B); 0: a chunk costs its tokens only.
-    prefill_attention_span: int | None = None
+    # its config at load; 23,552 for Qwen3-8B). 0 (the default, as in vLLM): a chunk costs its
+    # tokens. Off by default because on an H200 (docs/benchmarks.md, "Long prompts among
+    # decoding streams") the smaller chunks did not lower the streams' p99 inter-token latency
+    # (a step mixing decodes with a chunk runs without CUDA graphs, and that floor dominates)
+    # and delayed the long prompts' first tokens.
+    prefill_attention_span: int | None = 0
 
     def __post_init__(self):
         _check(isinstance(self.async_scheduling, bool),

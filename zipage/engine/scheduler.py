@@ -15,10 +15,10 @@ takes its blocks chunk by chunk, and before each chunk compresses once it holds 
 blocks, as a decoding request does (the observation window: the last ``window`` prompt
 tokens computed), so it never holds more than N blocks plus one chunk.
 
-A chunk's cost against the token budget counts its attention too
-(``SchedulerConfig.prefill_attention_span``): a chunk deep into a long prompt attends to
-all that came before it, so it gets fewer tokens, and a step that carries one takes
-about as long as one that starts a prompt.
+A chunk's cost against the token budget may count its attention too
+(``SchedulerConfig.prefill_attention_span``, off by default): a chunk deep into a long
+prompt attends to all that came before it, so it then gets fewer tokens, and a step that
+carries one takes about as long as one that starts a prompt.
 
 With compression, a decode step also plans compactions (``compression/planner.py``)
 and follows the hybrid scheduling of Compressed PagedAttention:
