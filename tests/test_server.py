@@ -269,6 +269,18 @@ def test_models_health_and_metrics(served):
         assert name in m
 
 
+def test_health_reports_an_engine_that_can_run_no_more_steps(served, monkeypatch):
+    """A tensor-parallel group shut down after a failure (``ParallelRunner.failure``): /health
+    answers 503 with the cause, so that a balancer or the router takes the replica out."""
+    cause = "rank 0 failed in a step the other ranks were running (RuntimeError: boom)"
+    monkeypatch.setattr(served.llm.engine.runner, "failure", cause, raising=False)
+    response = httpx.get(served.url + "/health", timeout=TIMEOUT)
+    assert response.status_code == 503 and cause in response.json()["error"]["message"]
+    assert "Traceback" not in response.text
+    monkeypatch.undo()
+    assert httpx.get(served.url + "/health", timeout=TIMEOUT).json() == {"status": "ok"}
+
+
 def test_32_concurrent_streaming_clients_all_complete(served):
     references = served.client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=24, temperature=0,
                                                   extra_body={"ignore_eos": True})

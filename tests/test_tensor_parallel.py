@@ -15,6 +15,13 @@ its follower) gives the greedy tokens of size 1, with full KV and with
 compression (asynchronous and synchronous), with asynchronous (launch-ahead)
 scheduling and without; every block is free again at the end. Every wait is
 bounded, so a hung process fails the test instead of hanging it.
+
+Faults on rank 0 (``tests/test_engine_faults.py``'s injection, in rank 0's process):
+one in its forward, after the step was posted to the follower, ends in bounded time
+with an error naming it, the follower killed and later requests refused with that
+error; one before posting (building the inputs), in its sampler, or between a launched
+step's forward and its sampler ends only that step's requests, and the group serves
+on; a follower found dead shuts the group down.
 """
 
 from __future__ import annotations
@@ -487,3 +494,206 @@ def test_engine_rejects_unshardable(checkpoint_dir):
             compression=CompressionConfig(max_blocks_per_seq=3))
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         LLM(model_dir, device="cpu", tensor_parallel_size=0)
+
+
+# -- faults on rank 0 of a tensor_parallel_size=2 engine ----------------------------------
+# Each scenario runs in rank 0's script (``tp2_faults``) and reports what its tests check.
+# A step that fails must end within FAULT_BOUND_S: a follower left inside a collective
+# would wait for the group's timeout (600 s), and rank 0's next steps with it.
+FAULT_BOUND_S = 30.0
+FAULT_PARAMS = dict(temperature=0, max_tokens=6, ignore_eos=True)
+FAULT_PROMPTS = [list(range(5, 25)), [3, 1, 4, 1, 5]]
+
+
+def _always(args, kwargs) -> bool:
+    return True
+
+
+def _fault_llm(model_dir: str, async_scheduling: bool):
+    from zipage import LLM
+
+    return LLM(model_dir, device=ENGINE_DEVICE, dtype="float32", block_size=BLOCK, max_model_len=256,
+               kv_cache_memory_bytes=1 << 22, tensor_parallel_size=2, max_num_seqs=4,
+               async_scheduling=async_scheduling)
+
+
+def _generate(llm, prompts) -> tuple[list[list[int]], list[str | None]]:
+    """Each prompt's tokens and error (a ``RequestsFailed`` is caught)."""
+    from zipage import RequestsFailed, SamplingParams
+
+    try:
+        outputs = llm.generate(prompts, SamplingParams(**FAULT_PARAMS), use_tqdm=False)
+    except RequestsFailed as failed:
+        outputs = failed.outputs
+    return [o.outputs[0].token_ids for o in outputs], [o.error for o in outputs]
+
+
+def _survived(llm, expected, arm) -> dict:
+    """``arm()`` arms a fault (and returns a list that is not empty once it fired); then the
+    prompts run, and run again."""
+    fired = arm()
+    _, errors = _generate(llm, FAULT_PROMPTS)
+    again, _ = _generate(llm, FAULT_PROMPTS)
+    runner, bm = llm.engine.runner, llm.engine.block_manager
+    return dict(fired=bool(fired), errors=errors, again=again, expected=expected, failure=runner.failure,
+                followers_alive=[p.is_alive() for p in runner._procs], pool_full=bm.num_free_blocks == bm.num_blocks)
+
+
+def _fault_in_forward(model_dir: str, async_scheduling: bool) -> dict:
+    """First rank 0's sampler raises, after the step's forward. Then rank 0's last decoder layer
+    raises in a step the follower runs too, after the collectives of the layers before it; with
+    asynchronous scheduling, while the step before it is in flight. Then a new request, and the
+    engine's close."""
+    from tests.test_engine_faults import _arm
+    from zipage import SamplingParams
+
+    with _fault_llm(model_dir, async_scheduling) as llm:
+        engine, runner = llm.engine, llm.engine.runner
+        followers = list(runner._procs)
+        expected, _ = _generate(llm, FAULT_PROMPTS)
+        # the sampler of the first decode step (the prefill's is call 0)
+        sampler = _survived(llm, expected, lambda: _arm(runner.local.sampler, "sample", _always, at=1))
+        params = SamplingParams(**FAULT_PARAMS)
+        engine.add_request(FAULT_PROMPTS[0], params, request_id="A")
+        for _ in range(2):  # A's prefill, then its first decode step
+            engine.step()
+        engine.add_request(FAULT_PROMPTS[1], params, request_id="B")
+        # B's prefill step runs the layers eagerly (also on a GPU, whose decode steps replay graphs)
+        fired = _arm(runner.local.model.model.layers[-1], "forward", _always, at=0)
+        start, errors = time.monotonic(), {}
+        while engine.has_unfinished_requests():
+            errors.update((o.request_id, o.error) for o in engine.step()[0] if o.finished)
+        seconds = time.monotonic() - start
+        exitcodes = [p.exitcode for p in followers]
+        start = time.monotonic()
+        _, later = _generate(llm, [[2, 7, 1, 8]])
+        later_seconds = time.monotonic() - start
+        start = time.monotonic()
+    return dict(sampler=sampler, fired=bool(fired), seconds=seconds, errors=errors, exitcodes=exitcodes,
+                later_error=later[0], later_seconds=later_seconds, close_seconds=time.monotonic() - start)
+
+
+def _faults_before_posting(model_dir: str) -> dict:
+    """On one engine (asynchronous scheduling): rank 0 fails to build a decode step's inputs,
+    before the step is posted; a launched step is never sampled (its requests fail between its
+    forward and its sampler, which would broadcast its tokens); then the follower dies."""
+    from tests.engine_double import InjectedFault
+    from tests.test_engine_faults import _arm
+
+    with _fault_llm(model_dir, True) as llm:
+        runner = llm.engine.runner
+        followers = list(runner._procs)
+        expected, _ = _generate(llm, FAULT_PROMPTS)
+        unbuilt = _survived(llm, expected, lambda: _arm(runner.local.inputs, "fill_decode", _always, at=0))
+        real_launch, unsampled = runner.launch, []
+
+        def launch_unsampled(seqs, is_prefill, *args, **kwargs):  # the first decode step: its forward only
+            if not unsampled and not is_prefill:
+                unsampled.append(real_launch(seqs, is_prefill, *args, **dict(kwargs, defer_sampling=True)))
+                raise InjectedFault("a launched step was never sampled")
+            return real_launch(seqs, is_prefill, *args, **kwargs)
+
+        def arm_unsampled():
+            runner.launch = launch_unsampled
+            return unsampled
+
+        never_sampled = _survived(llm, expected, arm_unsampled)
+        followers[0].kill()
+        followers[0].join(timeout=10)
+        start = time.monotonic()
+        _, dead = _generate(llm, FAULT_PROMPTS[:1])
+        return dict(unbuilt=unbuilt, never_sampled=never_sampled, dead_error=dead[0],
+                    dead_seconds=time.monotonic() - start)
+
+
+FAULT_SCENARIOS = {
+    "before-posting": _faults_before_posting,
+    "forward-async": lambda model_dir: _fault_in_forward(model_dir, True),
+    "forward-sync": lambda model_dir: _fault_in_forward(model_dir, False),
+}
+
+# Rank 0's script: each scenario's result on a line of its own as soon as it is known.
+_FAULT_SCRIPT = """
+import faulthandler, json, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+sys.path[:0] = [{tests!r}, {root!r}]
+from test_tensor_parallel import FAULT_SCENARIOS
+for name, scenario in FAULT_SCENARIOS.items():
+    print("RESULT " + json.dumps([name, scenario({model_dir!r})]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def tp2_faults(checkpoint_dir, tmp_path_factory):
+    """Each fault scenario's result (those reported before a hang or a crash), the script's exit
+    code (None at the bound) and its output."""
+    import json
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = _FAULT_SCRIPT.format(tests=tests, root=os.path.dirname(tests), model_dir=checkpoint_dir("qwen3"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log_path = str(tmp_path_factory.mktemp("tp-faults") / "output.txt")
+    code, output = _run_bounded([sys.executable, "-c", script], env, ENGINE_TIMEOUT_S, log_path)
+    results = dict(json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT "))
+    return results, code, output
+
+
+def _fault_result(tp2_faults, name: str) -> dict:
+    results, code, output = tp2_faults
+    if name not in results:
+        ended = f"did not finish within {ENGINE_TIMEOUT_S:.0f} s" if code is None else f"exited with code {code}"
+        pytest.fail(f"rank 0's script {ended} before the {name!r} scenario reported; its output (with every "
+                    f"thread's stack if it hung):\n{output[-12000:]}")
+    return results[name]
+
+
+def _check_survived(r: dict, what: str) -> None:
+    """Only the fault's requests failed, with its error; the group is whole; the prompts again
+    give their tokens."""
+    assert r["fired"], f"{what}: the fault was not reached"
+    assert all(error is None or "InjectedFault" in error and "shut down" not in error for error in r["errors"]), \
+        f"{what}: {r['errors']}"
+    assert any(r["errors"]), f"{what}: no request failed"
+    assert r["failure"] is None and all(r["followers_alive"]), f"{what}: the group was shut down"
+    assert r["again"] == r["expected"], what
+    assert r["pool_full"], f"{what}: blocks still held"
+
+
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
+def test_rank0_fault_after_posting_shuts_the_group_down(tp2_faults, scheduling):
+    """A step that fails on rank 0 in its forward, after it was posted, ends in bounded time with
+    an error naming the fault; the follower is gone; a later request fails at once with that
+    error, and the engine closes."""
+    r = _fault_result(tp2_faults, f"forward-{scheduling}")
+    assert r["fired"], "the fault was not reached"
+    assert r["seconds"] < FAULT_BOUND_S, f"the failed step took {r['seconds']:.0f} s"
+    assert set(r["errors"]) == {"A", "B"}
+    for rid, error in r["errors"].items():
+        assert error and "InjectedFault" in error and "shut down" in error, f"request {rid}: {error!r}"
+    assert None not in r["exitcodes"], f"a follower still runs: exit codes {r['exitcodes']}"
+    later = r["later_error"]
+    assert later and "TensorParallelFailed" in later and "InjectedFault" in later, later
+    assert r["later_seconds"] < FAULT_BOUND_S and r["close_seconds"] < FAULT_BOUND_S
+
+
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
+def test_rank0_sampler_fault_leaves_the_group_serving(tp2_faults, scheduling):
+    """Sampling runs after the forward: a sampler fault on rank 0 ends only its step's requests
+    (with asynchronous scheduling the followers still get the step's broadcast)."""
+    _check_survived(_fault_result(tp2_faults, f"forward-{scheduling}")["sampler"], "sampler")
+
+
+@pytest.mark.parametrize("fault", ["unbuilt", "never_sampled"])
+def test_rank0_fault_before_posting_or_sampling_leaves_the_group_serving(tp2_faults, fault):
+    """A step whose inputs fail to build on rank 0 never reaches the follower; a launched step
+    that is never sampled still gets its broadcast, before the next message."""
+    _check_survived(_fault_result(tp2_faults, "before-posting")[fault], fault)
+
+
+def test_a_dead_follower_shuts_the_group_down(tp2_faults):
+    """A follower found dead before a step is posted: the step fails at once, naming it."""
+    r = _fault_result(tp2_faults, "before-posting")
+    error = r["dead_error"]
+    assert error and "TensorParallelFailed" in error and "rank 1 exited with code -9" in error, error
+    assert r["dead_seconds"] < FAULT_BOUND_S

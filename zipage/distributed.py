@@ -45,7 +45,9 @@ def destroy_tensor_parallel() -> None:
     teardown (``destroy_process_group``) hung at close on an H200 pair (torch 2.11,
     CUDA graphs holding the communicator), whichever rank called it first, while an
     abort does not wait on the peers. The engine only closes between steps, so no
-    collective is in flight."""
+    collective is in flight; or rank 0 leaves after a step failed in the middle
+    (``ParallelRunner``), once it has killed the other ranks: an abort also ends its
+    collectives still queued, and gloo's destroy waits on no peer."""
     global _rank, _size
     if _size > 1 and dist.is_initialized():
         if dist.get_backend() == "nccl":

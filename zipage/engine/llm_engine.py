@@ -269,6 +269,12 @@ class LLMEngine:
         self._forget_released()
         return output
 
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can run no more steps (its tensor-parallel group was shut down after a
+        failure, ``runner/tensor_parallel.py``), or None while it can."""
+        return getattr(self.runner, "failure", None)
+
     def close(self) -> None:
         """Stop the tensor-parallel follower processes, if any (the engine is unusable after)."""
         close = getattr(self.runner, "close", None)

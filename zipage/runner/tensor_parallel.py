@@ -26,10 +26,29 @@ request's row among those tokens, so followers patch their input ids as rank 0 d
 Followers never wait for their device per step: each one's work is ordered by its
 stream (forwards, broadcasts, synchronous compressions), by the collectives that meet
 rank 0's, and by an event guarding its host buffers (``ModelRunner.follow``).
+
+Failures. Once a step is posted, the followers run its forward and wait in each of its
+collectives (and in its broadcast) until rank 0 joins them. What fails on rank 0
+before posting (building the inputs, a step too large for a slot) concerns no other
+rank: the step raises and the engine carries on. Sampling fails after the forward, and
+rank 0 still broadcasts (stale tokens, which no later step reads); a step launched
+with deferred sampling that is never sampled has its broadcast sent before the next
+message. But a failure between posting and the end of rank 0's forward leaves the
+followers inside a collective that rank 0 cannot finish for them: which collectives are
+left depends on where the forward stopped, and running them with made-up data would
+leave each rank's KV cache its own. Collectives with a timeout would only turn the
+hang into a late error on every rank. So rank 0 shuts the group down at once: it kills
+the followers (a process waiting in a collective cannot be asked to stop; the group is
+inconsistent, and there is nothing of theirs to save), leaves the group, and raises
+``TensorParallelFailed`` naming the failure. Every later call that needs the other
+ranks raises it too: the engine's steps fail with that error, in bounded time, instead
+of hanging. A follower found dead before a message is posted shuts the group down the
+same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import signal
@@ -48,6 +67,11 @@ from zipage.distributed import destroy_tensor_parallel, init_tensor_parallel
 from zipage.runner.step_channel import ChannelReader, Message, StepChannel, slot_bytes_for
 
 logger = logging.getLogger(__name__)
+
+
+class TensorParallelFailed(RuntimeError):
+    """The tensor-parallel group was shut down: rank 0 failed in a step the other ranks were
+    running, or a follower died. The engine that holds it runs no more steps."""
 
 
 def check_shardable(spec, config: EngineConfig) -> None:
@@ -151,6 +175,8 @@ class ParallelRunner:
     """Rank 0's runner: forwards each call to the follower ranks, then runs it itself.
 
     Everything else (cache sizes, the model, traces) is rank 0's ``ModelRunner``.
+    ``failure`` says why the group was shut down (see the module's "Failures"), None while
+    it runs.
     """
 
     # ``launch`` / ``collect``: each launched step's sampled tokens are broadcast to the
@@ -167,10 +193,12 @@ class ParallelRunner:
         size, port = config.tensor_parallel_size, _free_port()
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
+        self.failure: str | None = None
         # Semaphores cross processes only at spawn: the channel's are made now, its ring once
         # rank 0's input builder gives the slot size.
         self._channel = StepChannel(ctx, size - 1, alive=lambda index: self._procs[index].is_alive())
         self._shared = None  # the last step whose sampled tokens the followers hold
+        self._owed = None  # the launched step whose broadcast the followers wait for
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_follower_main, args=(rank, config, hf_config, port, child,
@@ -214,12 +242,71 @@ class ParallelRunner:
     def __getattr__(self, name):
         return getattr(self.__dict__["local"], name)
 
+    def _post(self, message: Message) -> None:
+        """Post ``message`` to the followers, after the broadcast a step still owes them.
+
+        Raises ``TensorParallelFailed`` once the group is shut down, and shuts it down when a
+        follower has died: a message it would never read must not be posted."""
+        if self.failure is None:
+            dead = [(rank, proc.exitcode) for rank, proc in enumerate(self._procs, start=1) if not proc.is_alive()]
+            if dead:
+                self._shut_down("tensor-parallel rank {} exited with code {}".format(*dead[0]))
+        if self.failure is not None:
+            raise TensorParallelFailed(f"the tensor-parallel group was shut down after {self.failure}: this engine "
+                                       "runs no more steps (build a new one)")
+        if self._owed is not None:
+            # A step launched with deferred sampling and never sampled (its requests failed): the
+            # followers wait for its broadcast before they read this message. Its tokens are the
+            # last ones shared, again; no later step reads them (``launch`` checks ``_shared``).
+            self._owed = self._shared = None
+            with self._in_step():
+                _share_tokens(self._tokens)
+        self._channel.send(message)
+
     def _send(self, command: str, payload=None) -> None:
-        self._channel.send(Message(command, payload=payload))
+        self._post(Message(command, payload=payload))
+
+    @contextlib.contextmanager
+    def _in_step(self):
+        """Rank 0's part of a posted step, up to the last collective the followers wait in: a
+        failure in it shuts the group down and raises ``TensorParallelFailed`` (or the
+        interruption itself) instead of leaving them waiting."""
+        try:
+            yield
+        except BaseException as error:
+            cause = f"rank 0 failed in a step the other ranks were running ({type(error).__name__}: {error})"
+            self._shut_down(cause)
+            if not isinstance(error, Exception):  # KeyboardInterrupt and the like go on as they are
+                raise
+            raise TensorParallelFailed(f"tensor-parallel {cause}, so they could not finish it: the group was shut "
+                                       "down and this engine runs no more steps") from error
+
+    def _shut_down(self, cause: str) -> None:
+        """Stop the group at once, its ranks out of step (see the module's "Failures"): kill the
+        followers, each perhaps waiting in a collective that no rank will join, then leave it."""
+        if self.failure is not None:
+            return
+        self.failure = cause
+        self._owed = self._shared = None
+        logger.error("shutting the tensor-parallel group down: %s", cause)
+        for proc in self._procs:
+            proc.kill()
+        for rank, proc in enumerate(self._procs, start=1):
+            proc.join(timeout=10)
+            if proc.is_alive():  # e.g. stuck in its device's driver: the kill ends it when that returns
+                logger.error("tensor-parallel rank %d (pid %s) has not exited after it was killed", rank, proc.pid)
+        try:
+            destroy_tensor_parallel()  # with NCCL an abort, which also ends rank 0's collectives still queued
+        except Exception:  # noqa: BLE001 - the group is gone either way; the failure that ended it is raised
+            logger.exception("leaving the tensor-parallel group failed")
+        for conn in self._conns:
+            conn.close()
+        self._channel.close()
+        self._conns, self._procs = [], []
 
     def _post_step(self, seqs, is_prefill: bool, shape=None, previous=None, share_tokens: bool = False):
         """Fill the step's inputs into rank 0's host buffers (unless ``shape`` says the caller did)
-        and post them to the followers; return the step's shape."""
+        and post them to the followers; return the step's shape. What fails here posted nothing."""
         local = self.local
         if shape is None:
             if local._inputs_read is not None:  # as in ModelRunner.launch: the last step's copies from
@@ -228,13 +315,22 @@ class ParallelRunner:
         arrays = local.inputs.export(shape)
         if previous is not None and any(s.num_pending for s in seqs):  # the test of ModelRunner.launch
             arrays["pending_rows"] = local.inputs.pending_rows(seqs, previous.rows)
-        self._channel.send(Message("step", shape, arrays, share_tokens=share_tokens))
+        self._post(Message("step", shape, arrays, share_tokens=share_tokens))
         return shape
 
     def execute(self, seqs, is_prefill: bool, eos_token_ids: set[int], async_callback=None) -> list[int]:
-        """A synchronous step: its tokens are read before the next one, so the followers need none."""
+        """A synchronous step (``ModelRunner.execute``): its tokens are read before the next one, so
+        the followers need none, and only its forward is theirs."""
+        on_cpu = self.local.device.type == "cpu"
+        if async_callback is not None and on_cpu:
+            async_callback()  # before posting: its failure concerns no other rank
         shape = self._post_step(seqs, is_prefill)
-        return self.local.execute(seqs, is_prefill, eos_token_ids, shape, async_callback)
+        with self._in_step():
+            step = self.local.launch(seqs, is_prefill, eos_token_ids, shape, defer_sampling=True)
+        self.local.sample(step)
+        if async_callback is not None and not on_cpu:
+            async_callback()  # the device runs the step meanwhile
+        return self.local.collect(step)
 
     def launch(self, seqs, is_prefill: bool, eos_token_ids: set[int], shape=None, previous=None,
                defer_sampling: bool = False):
@@ -246,7 +342,9 @@ class ParallelRunner:
         shape = self._post_step(seqs, is_prefill, shape, previous, share_tokens=True)
         # Sampled apart, so that the broadcast the followers wait for follows the forward even
         # when sampling fails.
-        step = self.local.launch(seqs, is_prefill, eos_token_ids, shape, previous, defer_sampling=True)
+        with self._in_step():
+            step = self.local.launch(seqs, is_prefill, eos_token_ids, shape, previous, defer_sampling=True)
+        self._owed = step
         if not defer_sampling:
             self.sample(step)
         return step
@@ -258,13 +356,16 @@ class ParallelRunner:
             self.local.sample(step)
         finally:  # the followers wait for the broadcast whatever happened (if sampling failed they get
             # the last tokens again: the step's requests fail, and no later step reads them)
-            tokens = step.tokens
-            with torch.inference_mode():
-                if tokens is not None and tokens.numel():
-                    self._tokens[:tokens.numel()].copy_(tokens)
-            _share_tokens(self._tokens)
-            if tokens is not None:
-                self._shared = step
+            if self._owed is step:  # else already sent (stale: ``_post``), or the group was shut down
+                self._owed = None
+                tokens = step.tokens
+                with torch.inference_mode():
+                    if tokens is not None and tokens.numel():
+                        self._tokens[:tokens.numel()].copy_(tokens)
+                with self._in_step():
+                    _share_tokens(self._tokens)
+                if tokens is not None:
+                    self._shared = step
 
     def forget(self, seqs) -> None:
         """Only rank 0 samples, so only it holds per-request state: the followers need nothing."""
@@ -287,7 +388,8 @@ class ParallelRunner:
     def close(self) -> None:
         """Stop the followers and leave the group (idempotent). Every rank drops its CUDA
         graphs and waits for its device first; rank 0 leaves before it waits for the
-        followers to exit, so a teardown that waits on the peers cannot deadlock with them."""
+        followers to exit, so a teardown that waits on the peers cannot deadlock with them.
+        A group already shut down (``failure``) has nothing left to stop."""
         channel = self.__dict__.get("_channel")
         if channel is not None and channel.is_open:
             try:  # after the steps already posted; a follower that is gone or stuck is killed below
@@ -296,7 +398,8 @@ class ParallelRunner:
                 pass
         local = self.__dict__.get("local")
         try:
-            if local is not None:
+            # After a shutdown rank 0's device may still hold work queued for the group: no wait for it.
+            if local is not None and self.__dict__.get("failure") is None:
                 local.release_graphs()
         finally:  # the group is left and the followers stopped even when the device failed
             destroy_tensor_parallel()

@@ -104,6 +104,8 @@ def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/health")  # open: load balancers probe it without the key
     async def health():
+        if async_engine.failure is not None:  # no traceback: the cause's one line, as logged
+            raise ApiError(503, f"the engine can run no more steps: {async_engine.failure}", type="server_error")
         if not async_engine.alive:
             raise ApiError(503, "the engine is not running", type="server_error")
         return {"status": "ok"}

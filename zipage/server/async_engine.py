@@ -205,7 +205,13 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The engine thread runs and the engine can still run steps."""
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can run no more steps (``LLMEngine.failure``), or None."""
+        return getattr(self.engine, "failure", None)
 
     # -- called from the event loop -------------------------------------------
     async def call(self, fn: Callable):
