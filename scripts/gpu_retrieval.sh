@@ -5,6 +5,8 @@
 # between its prefill chunks of CHUNK tokens (prefill_compression="always").
 # Usage: [RESULTS=dir] [CHECKPOINT=dir] [CHUNK=256] [BUDGETS=list] bash scripts/gpu_retrieval.sh [TRAIN_MINUTES]
 #   TRAIN_MINUTES (default 6) of training plus 30 s for saving and the built-in full-KV evaluation;
+#   the training problems grow from retrieval-tiny's 8 to 12 facts to the standard 120 to 240 over the
+#   first half of the training after the warmup (train.py's curriculum, the retrieval task's default);
 #   then `zipage eval synthetic --task retrieval --settings prompt_whole,prefill` on 64 held-out
 #   problems, blocks of 32, float32, BUDGETS (default 0.25,0.375,0.5,0.75 of the mean sequence),
 #   into RESULTS/retrieval (synthetic.json, .md, .png; accuracy by thirds of the length in the JSON).

@@ -302,6 +302,10 @@ def test_training_takes_the_task():
     args.from_module = True
     config = train.config_from_args(args)
     assert config.task == "retrieval-tiny" and config.max_position_embeddings == 512
+    assert train.curriculum_of(config) is None  # the tiny run trains on its variant alone
+    args = parser.parse_args(["--task", "retrieval", "--out", "x"])
+    args.from_module = True
+    assert train.curriculum_of(train.config_from_args(args)).start == "retrieval-tiny"  # grown from it
     batches = train.batches_from(random.Random(0), tasks.get_spec("retrieval-tiny"), batch_tokens=4096)
     inputs, labels = next(batches)
     assert inputs.shape[1] <= 320 and (labels != train.IGNORE).any()

@@ -3,6 +3,7 @@ checkpoint both transformers and the engine load."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -10,7 +11,7 @@ import random
 import pytest
 import torch
 
-from zipage.quality import tasks, train
+from zipage.quality import retrieval, tasks, train
 from zipage.quality.tokenizer import VOCAB
 
 
@@ -77,6 +78,128 @@ def test_config_checks_its_values():
         train.TrainConfig(out="x", model_size="huge")
     with pytest.raises(ValueError, match="unknown task spec"):
         train.TrainConfig(out="x", task="nope")
+
+
+def _fact_counts(inputs: torch.Tensor) -> list[int]:
+    """The number of facts of each retrieval problem of a batch (read off its user turn)."""
+    counts = []
+    for row in inputs.tolist():
+        text = "".join(VOCAB[i] for i in row)
+        counts.append(retrieval.num_facts(text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]))
+    return counts
+
+
+def test_curriculum_grows_the_facts_from_the_tiny_variant_to_the_task():
+    curriculum = train.curriculum_of(train.TrainConfig(out="", task="retrieval"))
+    assert curriculum == train.Curriculum("retrieval-tiny", ramp=0.5, mix=0.2)
+    target = tasks.get_spec("retrieval")
+    assert curriculum.spec_at(target, 0.0) == tasks.get_spec("retrieval-tiny")
+    middle = curriculum.spec_at(target, 0.25)  # half of the ramp: the geometric means, rounded
+    assert (middle.min_facts, middle.max_facts) == (31, 54)  # 8 * 15 ** 0.5, 12 * 20 ** 0.5
+    assert (middle.min_questions, middle.max_questions, middle.min_hops, middle.max_hops) == (3, 3, 2, 5)
+    assert curriculum.spec_at(target, 0.5) == curriculum.spec_at(target, 1.0) == target
+    ways = [curriculum.spec_at(target, i / 100) for i in range(101)]
+    assert all(a.min_facts <= b.min_facts and a.max_facts <= b.max_facts for a, b in zip(ways, ways[1:]))
+
+    rng = random.Random(0)  # a share mix of the problems comes from the start variant throughout
+    drawn = [curriculum.draw_spec(rng, target, 1.0) for _ in range(2000)]
+    assert set(drawn) == {target, tasks.get_spec("retrieval-tiny")}
+    assert 0.17 < drawn.count(tasks.get_spec("retrieval-tiny")) / len(drawn) < 0.23
+    again = random.Random(0)
+    assert [curriculum.draw_spec(again, target, 1.0) for _ in range(2000)] == drawn
+
+
+def test_curriculum_batches_follow_the_progress_and_are_seeded():
+    curriculum = train.Curriculum("retrieval-tiny", ramp=0.5, mix=0.0)
+    target = tasks.get_spec("retrieval-short")
+
+    def first_batches(progress: float, seed: int = 0, count: int = 3):
+        batches = train.batches_from(random.Random(seed), target, 2048, curriculum=curriculum,
+                                     progress=lambda n: progress)
+        return [next(batches) for _ in range(count)]
+
+    start, end = first_batches(0.0), first_batches(1.0)
+    assert all(8 <= n <= 12 for inputs, _ in start for n in _fact_counts(inputs))
+    assert all(30 <= n <= 60 for inputs, _ in end for n in _fact_counts(inputs))
+    for (a, la), (b, lb) in zip(first_batches(0.3), first_batches(0.3)):  # the same seed, the same batches
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    assert not torch.equal(first_batches(0.3, seed=1, count=1)[0][0], first_batches(0.3, count=1)[0][0])
+
+    # Counted steps: the stream's batch n is step n (one stream, no workers); its first pool is
+    # drawn at step 0 and every later one after the ramp (the pools hold several batches).
+    stream = train._Stream(0, target, 2048, curriculum, total_steps=2)
+    counts = [_fact_counts(inputs) for inputs, _ in itertools.islice(iter(stream), 40)]
+    assert all(n <= 12 for n in counts[0]) and all(30 <= n <= 60 for n in counts[-1])
+
+
+def test_curriculum_progress_starts_after_the_warmup():
+    config = train.TrainConfig(out="", task="retrieval", warmup_steps=10, steps=110)
+    counted = train.Schedule(config, start=0.0, deadline=100.0)
+    assert [counted.done(step, now=99.0) for step in (0, 10, 60, 110, 200)] == [0.0, 0.0, 0.5, 1.0, 1.0]
+    assert train.counted_progress(35, 110, 10) == 0.25  # what a data worker computes for step 35
+    config.steps = None
+    timed = train.Schedule(config, start=0.0, deadline=100.0)
+    assert timed.done(5, now=15.0) == 0.0  # the warmup: the start variant
+    timed.rate(10, now=20.0)  # the decay (and the curriculum) starts at the first step after the warmup
+    assert timed.done(11, now=60.0) == pytest.approx(0.5) and timed.done(12, now=120.0) == 1.0
+
+
+def test_curriculum_reaches_data_workers_through_the_shared_progress():
+    """Under the time-based schedule a worker process reads the progress the training loop writes."""
+    config = train.TrainConfig(out="", task="retrieval-short", batch_tokens=2048, curriculum_mix=0.0)
+    shared = torch.zeros(1).share_memory_()
+    batches = train.data_loader(config, workers=1, shared_progress=shared)
+    assert all(n <= 12 for n in _fact_counts(next(batches)[0]))
+    shared[0] = 1.0
+    for _ in range(200):  # the pools drawn before the change come first
+        counts = _fact_counts(next(batches)[0])
+        if min(counts) >= 30:
+            break
+    assert min(counts) >= 30 and max(counts) <= 60
+
+
+def test_curriculum_option_defaults_and_checks():
+    assert train.curriculum_of(train.TrainConfig(out="", task="standard")) is None  # the ledger: unchanged
+    assert train.curriculum_of(train.TrainConfig(out="", task="tracing")) is None
+    assert train.curriculum_of(train.tiny_config("", "retrieval")) is None  # it is the tiny variant
+    assert train.curriculum_of(train.TrainConfig(out="", task="retrieval", curriculum=None)) is None
+    assert train.curriculum_of(train.TrainConfig(out="", task="retrieval", curriculum="none")) is None
+    short = train.TrainConfig(out="", task="retrieval", curriculum="retrieval-short", curriculum_ramp=0.3,
+                              curriculum_mix=0.0)
+    assert train.curriculum_of(short) == train.Curriculum("retrieval-short", 0.3, 0.0)
+    ledger = train.TrainConfig(out="", task="standard", curriculum="tiny")  # any task can have one
+    assert train.curriculum_of(ledger).spec_at(tasks.get_spec("standard"), 0.0) == tasks.get_spec("tiny")
+    with pytest.raises(ValueError, match="not a variant of the task's family"):
+        train.TrainConfig(out="", task="retrieval", curriculum="tiny")
+    with pytest.raises(ValueError, match="unknown task spec"):
+        train.TrainConfig(out="", task="retrieval", curriculum="retrieval-huge")
+    with pytest.raises(ValueError, match="ramp"):
+        train.TrainConfig(out="", task="retrieval", curriculum_ramp=1.5)
+    with pytest.raises(ValueError, match="mix"):
+        train.TrainConfig(out="", task="retrieval", curriculum_mix=-0.1)
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    train.add_train_args(parser)
+    for argv, expected in [([], "auto"), (["--curriculum", "none"], None),
+                           (["--curriculum", "retrieval-short", "--curriculum-ramp", "0.3"], "retrieval-short")]:
+        args = parser.parse_args(["--task", "retrieval", "--out", "x"] + argv)
+        args.from_module = True
+        config = train.config_from_args(args)
+        assert config.curriculum == expected
+    assert config.curriculum_ramp == 0.3 and config.curriculum_mix == 0.2
+
+
+def test_a_time_scheduled_run_with_a_curriculum_records_it(tmp_path, one_thread):
+    config = train.TrainConfig(out=str(tmp_path / "ckpt"), model_size="tiny", task="retrieval-short",
+                               batch_tokens=2048, lr=3e-3, warmup_steps=5, device="cpu", workers=0, eval_problems=0,
+                               max_minutes=(20.0 + 6.0) / 60, log_every=1, max_position_embeddings=1024)
+    record = train.train(config)
+    assert record["curriculum"]["start"] == "retrieval-tiny" and record["curriculum"]["ramp"] == 0.5
+    assert record["curriculum"]["target_spec"]["max_facts"] == 60
+    ways = [entry["curriculum"] for entry in record["loss_curve"]]
+    assert len(ways) >= 2 and ways[0] < 0.5 and all(a <= b <= 1.0 for a, b in zip(ways, ways[1:])), ways
 
 
 def test_tiny_training_run_saves_a_checkpoint_both_loaders_read(tmp_path, one_thread):

@@ -13,6 +13,10 @@ The model is ``transformers.Qwen3ForCausalLM`` (preset ``small``: 8 layers, hidd
 384, 6 query heads and 2 KV heads of 64, 13.8M parameters) over the character
 tokenizer of ``zipage.quality.tokenizer``. Problems are generated on the fly by
 worker processes, so no example repeats; the loss counts the solution tokens only.
+``--curriculum`` makes them grow from a small variant of the task to the task's own
+over the first part of the training (``Curriculum``); by default the retrieval task's
+do, from "retrieval-tiny" over the first half of the training after the warmup, and
+the ledger's and tracing's do not.
 
 Sizing for one GPU run of at most 15 minutes (an H200)
 -----------------------------------------------------
@@ -61,7 +65,8 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -104,6 +109,9 @@ class TrainConfig:
     log_every: int = 10
     max_position_embeddings: int = 4096
     init_from: str | None = None  # start from this checkpoint's weights (its shape wins over model_size)
+    curriculum: str | None = "auto"  # the variant the problems grow from ("auto": AUTO_CURRICULA; None: none)
+    curriculum_ramp: float = 0.5  # share of the training after the warmup over which they grow to the task's
+    curriculum_mix: float = 0.2  # share of the problems drawn from the start variant throughout
     command: str = field(default="", repr=False)
 
     def __post_init__(self):
@@ -116,6 +124,7 @@ class TrainConfig:
             raise ValueError(f"max_minutes must be > 0, got {self.max_minutes}")
         if self.batch_tokens < PAD_MULTIPLE:
             raise ValueError(f"batch_tokens must be >= {PAD_MULTIPLE}, got {self.batch_tokens}")
+        curriculum_of(self)  # checks the curriculum's variant, ramp and mix
 
 
 def tiny_config(out: str, task: str = "standard") -> TrainConfig:
@@ -125,22 +134,134 @@ def tiny_config(out: str, task: str = "standard") -> TrainConfig:
                        max_minutes=1.0, log_every=5, max_position_embeddings=512)
 
 
+# -- curriculum -------------------------------------------------------------------
+AUTO_CURRICULA = {"retrieval": "retrieval-tiny"}  # task family -> the variant its problems grow from
+
+
+@dataclass(frozen=True)
+class Curriculum:
+    """Problems that grow from a small variant of the task to the task's own.
+
+    Why: a lookup by content among many lines is learnt late or not at all when every
+    problem is long. Trained on the standard retrieval variant alone (120 to 240 facts,
+    3,056 steps on an H200), the 13.8M model learnt every part of the solution that reads
+    the lines just above (the line numbers, the key copied from the previous line's
+    pointer, the sums, the result and answer lines: all at a loss of 0.000), but the
+    values and pointers it copies from the facts and the start keys it copies from the
+    questions stayed at chance (2.30 nats a digit, 3.26 a letter: ln 10 and ln 26), and
+    those tokens made up the whole plateau loss of 0.51. Among a dozen lines a head that
+    attends by content gets a useful gradient from its first, nearly uniform attention (a
+    twelfth of it on the right line, not a two-hundredth), so lookup (induction) heads
+    form far sooner on short contexts; once formed, a head that matches the key finds it
+    among more lines too, as long as the match is sharp enough, which the growing
+    problems train.
+
+    At a training progress ``p`` (the share of the training after the warmup that is
+    done, in steps or in time as the learning rate's decay counts it; 0 during the
+    warmup, which so trains on the start variant alone) a problem is drawn from the spec
+    between ``start`` and the task's variant at ``min(1, p / ramp)`` of the way, field by
+    field: the integer fields (counts and lengths: facts, questions, hops) geometrically,
+    so each doubling of the prompt gets the same share of the ramp, the others linearly.
+    After the ramp the problems are the task's own, except that a share ``mix`` of them
+    is drawn from ``start`` throughout, which keeps short lookups in the training
+    cheaply (a retrieval-tiny problem has an eighth of a standard one's tokens, so a
+    fifth of the problems is about 3% of the tokens). The held-out evaluation is on the
+    task's variant whatever the curriculum.
+    """
+
+    start: str  # a variant of tasks.SPECS of the same family as the task
+    ramp: float = 0.5
+    mix: float = 0.2
+
+    def __post_init__(self):
+        tasks.get_spec(self.start)
+        if not 0.0 <= self.ramp <= 1.0:
+            raise ValueError(f"curriculum ramp must be in [0, 1], got {self.ramp}")
+        if not 0.0 <= self.mix <= 1.0:
+            raise ValueError(f"curriculum mix must be in [0, 1], got {self.mix}")
+
+    def check(self, target: tasks.AnySpec) -> None:
+        """Raises ValueError unless every spec on the way from ``start`` to ``target`` is valid."""
+        start = tasks.get_spec(self.start)
+        if type(start) is not type(target):
+            raise ValueError(f"curriculum start {self.start!r} is not a variant of the task's family "
+                             f"({tasks.family(target)})")
+        for i in range(65):
+            try:
+                self.spec_at(target, i / 64 * self.ramp)
+            except ValueError as error:
+                raise ValueError(f"the curriculum from {self.start!r} passes through an invalid spec "
+                                 f"{i / 64:.0%} of the way: {error}") from None
+
+    def spec_at(self, target: tasks.AnySpec, progress: float) -> tasks.AnySpec:
+        """The spec of the problems drawn at ``progress`` (the mixed-in share aside)."""
+        start = tasks.get_spec(self.start)
+        way = 1.0 if self.ramp <= 0 else min(1.0, max(0.0, progress / self.ramp))
+        if way >= 1.0 or start == target:
+            return target
+        if way <= 0.0:
+            return start
+        return replace(target, **{f.name: _between(getattr(start, f.name), getattr(target, f.name), way)
+                                  for f in fields(target)})
+
+    def draw_spec(self, rng: random.Random, target: tasks.AnySpec, progress: float) -> tasks.AnySpec:
+        """The spec of one problem: the start variant's with probability ``mix``, else ``spec_at``'s."""
+        if self.mix > 0 and rng.random() < self.mix:
+            return tasks.get_spec(self.start)
+        return self.spec_at(target, progress)
+
+    def describe(self, target: tasks.AnySpec) -> dict:
+        return dict(start=self.start, ramp=self.ramp, mix=self.mix, start_spec=asdict(tasks.get_spec(self.start)),
+                    target_spec=asdict(target))
+
+
+def _between(a, b, way: float):
+    if isinstance(a, bool) or a == b:
+        return a
+    if isinstance(a, int) and isinstance(b, int):
+        return round(a * (b / a) ** way) if a > 0 and b > 0 else round(a + (b - a) * way)
+    return a + (b - a) * way
+
+
+def curriculum_of(config: TrainConfig) -> Curriculum | None:
+    """The run's curriculum: ``config.curriculum`` names its start variant; "auto" is the
+    task family's entry of ``AUTO_CURRICULA`` (none for the ledger and tracing, and none
+    when the task is that variant itself, as the ``--tiny`` runs are)."""
+    name = config.curriculum
+    if name == "auto":
+        name = AUTO_CURRICULA.get(tasks.family(config.task))
+        if name == config.task:
+            name = None
+    if name is None or name == "none":
+        return None
+    curriculum = Curriculum(name, config.curriculum_ramp, config.curriculum_mix)
+    curriculum.check(tasks.get_spec(config.task))
+    return curriculum
+
+
 # -- data -----------------------------------------------------------------------
 def encode_problem(codec: CharCodec, problem: tasks.Problem) -> tuple[np.ndarray, int]:
     return codec.encode_chat(tasks.messages(problem), problem.solution)
 
 
-def batches_from(rng: random.Random, spec: tasks.AnySpec, batch_tokens: int, pool_batches: int = 8):
+def batches_from(rng: random.Random, spec: tasks.AnySpec, batch_tokens: int, pool_batches: int = 8,
+                 curriculum: Curriculum | None = None, progress: Callable[[int], float] | None = None):
     """Endless padded batches ``(input_ids int64 [B, T], labels int64 [B, T])``.
 
     A pool of problems is sorted by length and cut into batches of at most
-    ``batch_tokens`` padded tokens, which are then yielded in random order.
+    ``batch_tokens`` padded tokens, which are then yielded in random order. With a
+    curriculum, the problems of a pool are drawn from its specs on the way to ``spec``
+    at the training's progress when the pool is drawn: ``progress(n)``, n the number of
+    batches this stream has yielded so far (0 when not given).
     """
     codec = CharCodec()
+    yielded = 0
     while True:
         pool, total = [], 0
+        at = 0.0 if progress is None else progress(yielded)
         while total < pool_batches * batch_tokens:
-            ids, prompt_len = encode_problem(codec, tasks.make_problem(tasks.training_seed(rng), spec))
+            problem_spec = spec if curriculum is None else curriculum.draw_spec(rng, spec, at)
+            ids, prompt_len = encode_problem(codec, tasks.make_problem(tasks.training_seed(rng), problem_spec))
             pool.append((ids, prompt_len))
             total += len(ids)
         pool.sort(key=lambda item: len(item[0]))
@@ -154,6 +275,7 @@ def batches_from(rng: random.Random, spec: tasks.AnySpec, batch_tokens: int, poo
         rng.shuffle(batches)
         for rows in batches:
             yield _collate(rows)
+            yielded += 1
 
 
 def _padded(n: int) -> int:
@@ -172,18 +294,44 @@ def _collate(rows) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Stream(torch.utils.data.IterableDataset):
-    def __init__(self, seed: int, spec: tasks.AnySpec, batch_tokens: int):
+    """The batches of one worker (or of the training process itself, without workers).
+
+    A curriculum needs the training's progress on the workers' side. With ``total_steps``
+    it is counted: batch n of worker w of W is the training's step n * W + w (the data
+    loader takes the workers' batches in turn), so the problems are the same whatever the
+    machine's speed. Under the time-based schedule the training loop writes it to
+    ``shared_progress`` (a shared tensor), which a worker reads when it draws a pool: the
+    problems' seeds are the same, their specs follow the clock as the learning rate does
+    (running some batches ahead of the step that takes them: the pool and the loader's
+    prefetch)."""
+
+    def __init__(self, seed: int, spec: tasks.AnySpec, batch_tokens: int, curriculum: Curriculum | None = None,
+                 total_steps: int | None = None, warmup_steps: int = 0, shared_progress: torch.Tensor | None = None):
         self.seed, self.spec, self.batch_tokens = seed, spec, batch_tokens
+        self.curriculum, self.total_steps, self.warmup_steps = curriculum, total_steps, warmup_steps
+        self.shared_progress = shared_progress
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        worker = info.id if info is not None else 0
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         rng = random.Random(f"{self.seed}-{worker}")
-        return batches_from(rng, self.spec, self.batch_tokens)
+        if self.curriculum is None:
+            return batches_from(rng, self.spec, self.batch_tokens)
+        progress = None  # no schedule to follow: the curriculum's start
+        if self.total_steps is not None:
+            def progress(n: int) -> float:
+                return counted_progress(n * workers + worker, self.total_steps, self.warmup_steps)
+        elif self.shared_progress is not None:
+            def progress(n: int) -> float:
+                return float(self.shared_progress[0])
+        return batches_from(rng, self.spec, self.batch_tokens, curriculum=self.curriculum, progress=progress)
 
 
-def data_loader(config: TrainConfig, workers: int):
-    stream = _Stream(config.seed, tasks.get_spec(config.task), config.batch_tokens)
+def data_loader(config: TrainConfig, workers: int, shared_progress: torch.Tensor | None = None):
+    """The training batches; ``shared_progress`` carries the time-based schedule's progress
+    to a curriculum (see ``_Stream``)."""
+    stream = _Stream(config.seed, tasks.get_spec(config.task), config.batch_tokens, curriculum_of(config),
+                     config.steps, config.warmup_steps, shared_progress)
     if workers == 0:
         return iter(stream)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers, prefetch_factor=4,
@@ -253,12 +401,26 @@ class Schedule:
     def rate(self, step: int, now: float) -> float:
         return learning_rate(self.config, step, self.total, self.progress(step, now))
 
+    def done(self, step: int, now: float) -> float:
+        """A curriculum's progress: the share of the training after the warmup that is done,
+        steps counted (``counted_progress``) or time elapsed; 0 during the warmup."""
+        if self.total is not None:
+            return counted_progress(step, self.total, self.config.warmup_steps)
+        if step < self.config.warmup_steps or self.decay_start is None:
+            return 0.0
+        return min(1.0, (now - self.decay_start) / max(1e-9, self.deadline - self.decay_start))
+
     def describe(self) -> dict:
         if self.total is not None:
             return dict(kind="steps", total_steps=self.total, warmup_steps=self.config.warmup_steps)
         decay_start = None if self.decay_start is None else round(self.decay_start - self.start, 1)
         return dict(kind="time", warmup_steps=self.config.warmup_steps,
                     train_budget_s=round(self.deadline - self.start, 1), decay_start_s=decay_start)
+
+
+def counted_progress(step: int, total: int, warmup_steps: int) -> float:
+    """The share of the steps after the warmup taken before ``step`` (0 during the warmup)."""
+    return min(1.0, max(0.0, (step - warmup_steps) / max(1, total - warmup_steps)))
 
 
 def loss_of(model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -285,9 +447,13 @@ def train(config: TrainConfig) -> dict:
     num_params = sum(p.numel() for p in model.parameters())
     forward = torch.compile(model, dynamic=True) if config.compile else model
     optimizer = make_optimizer(model, config, fused=on_cuda)
-    batches = data_loader(config, workers)
+    curriculum = curriculum_of(config)
+    shared_progress = torch.zeros(1).share_memory_() if curriculum is not None and config.steps is None else None
+    batches = data_loader(config, workers, shared_progress)
     origin = f"from {config.init_from}" if config.init_from else config.model_size
-    print(f"model {origin}: {num_params / 1e6:.2f}M parameters on {device}; task {config.task}; "
+    grows = "" if curriculum is None else (f", growing from {curriculum.start} over {curriculum.ramp:.0%} of the "
+                                           f"training ({curriculum.mix:.0%} of the problems from it throughout)")
+    print(f"model {origin}: {num_params / 1e6:.2f}M parameters on {device}; task {config.task}{grows}; "
           f"{workers} data workers", flush=True)
 
     train_deadline = deadline - (config.eval_reserve_s if config.eval_problems else 20.0)
@@ -301,6 +467,8 @@ def train(config: TrainConfig) -> dict:
             if schedule.total is None or step < schedule.total:
                 print(f"time budget reached at step {step}", flush=True)
             break
+        if shared_progress is not None:
+            shared_progress[0] = schedule.done(step, now)
         inputs, labels = next(batches)
         loss_tokens += int((labels != IGNORE).sum())  # on the host, before the copy
         inputs = inputs.to(device, non_blocking=True)
@@ -322,10 +490,14 @@ def train(config: TrainConfig) -> dict:
             mean_loss = running.item() / running_steps  # since the last entry; syncs, so finished steps are timed
             elapsed = time.perf_counter() - loop_start
             entry = dict(step=step, tokens=tokens, seconds=round(elapsed, 2), loss=round(mean_loss, 5), lr=lr)
+            grown = ""
+            if curriculum is not None:  # the loss is over longer problems as the curriculum goes
+                entry["curriculum"] = round(min(1.0, schedule.done(step, now) / max(curriculum.ramp, 1e-9)), 3)
+                grown = f" curriculum {entry['curriculum']:.2f}"
             running.zero_()
             running_steps = 0
             log.append(entry)
-            print(f"step {step}/{schedule.total or '?'} loss {entry['loss']:.4f} lr {lr:.2e} "
+            print(f"step {step}/{schedule.total or '?'} loss {entry['loss']:.4f} lr {lr:.2e}{grown} "
                   f"{tokens / elapsed / 1000:.0f}K tokens/s", flush=True)
     if on_cuda:
         torch.cuda.synchronize()
@@ -334,6 +506,7 @@ def train(config: TrainConfig) -> dict:
     record = dict(config={k: v for k, v in asdict(config).items()}, num_parameters=num_params,
                   device=str(device), torch=torch.__version__, workers=workers,
                   schedule=schedule.describe(), steps=step,
+                  curriculum=None if curriculum is None else curriculum.describe(tasks.get_spec(config.task)),
                   tokens=tokens, loss_tokens=loss_tokens, train_seconds=round(train_seconds, 1),
                   tokens_per_second=round(tokens / max(train_seconds, 1e-9)),
                   final_loss=log[-1]["loss"] if log else None, loss_curve=log)
@@ -428,6 +601,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-reserve-s", type=float, default=d.eval_reserve_s)
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
+    p.add_argument("--curriculum", default=d.curriculum,
+                   help="the variant the training problems grow from to --task's (auto: retrieval-tiny for the "
+                        "retrieval tasks, none for the others; none: the task's problems from the start)")
+    p.add_argument("--curriculum-ramp", type=float, default=d.curriculum_ramp,
+                   help="share of the training after the warmup (steps, or time) over which the problems grow "
+                        "to the task's")
+    p.add_argument("--curriculum-mix", type=float, default=d.curriculum_mix,
+                   help="share of the problems drawn from the curriculum's start variant throughout")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -442,7 +623,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        lr=args.lr, warmup_steps=args.warmup_steps, device=args.device, compile=args.compile,
                        workers=args.workers, eval_problems=args.eval_problems,
                        eval_reserve_s=args.eval_reserve_s, log_every=args.log_every, init_from=args.init_from,
-                       command=command)
+                       curriculum=None if args.curriculum == "none" else args.curriculum,
+                       curriculum_ramp=args.curriculum_ramp, curriculum_mix=args.curriculum_mix, command=command)
 
 
 def _run(args: argparse.Namespace) -> int:
