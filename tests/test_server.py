@@ -271,12 +271,17 @@ def test_models_health_and_metrics(served):
 
 def test_health_reports_an_engine_that_can_run_no_more_steps(served, monkeypatch):
     """A tensor-parallel group shut down after a failure (``ParallelRunner.failure``): /health
-    answers 503 with the cause, so that a balancer or the router takes the replica out."""
+    answers 503 with the cause, so that a balancer or the router takes the replica out, and
+    new calls are refused with it."""
     cause = "rank 0 failed in a step the other ranks were running (RuntimeError: boom)"
     monkeypatch.setattr(served.llm.engine.runner, "failure", cause, raising=False)
     response = httpx.get(served.url + "/health", timeout=TIMEOUT)
     assert response.status_code == 503 and cause in response.json()["error"]["message"]
     assert "Traceback" not in response.text
+    with pytest.raises(openai.APIStatusError) as refused:  # a new call is refused, not queued to fail
+        served.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4)
+    assert refused.value.status_code == 503 and cause in refused.value.message
+    assert not served.llm.engine.has_unfinished_requests()
     monkeypatch.undo()
     assert httpx.get(served.url + "/health", timeout=TIMEOUT).json() == {"status": "ok"}
 

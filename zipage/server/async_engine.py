@@ -226,7 +226,10 @@ class AsyncEngine:
 
     def admit(self, num_requests: int) -> Admission:
         """Hold places for a call's ``num_requests`` engine requests until ``generate`` adds them
-        (or the returned ``Admission`` is closed); ``EngineOverloaded`` if they do not all fit."""
+        (or the returned ``Admission`` is closed); ``EngineOverloaded`` if they do not all fit,
+        ``EngineFailed`` if the engine can run no more steps (``failure``)."""
+        if self.failure is not None:
+            raise EngineFailed(f"the engine can run no more steps: {self.failure}")
         held = len(self._generations) + self._admitted
         if held + num_requests > self.capacity:
             self.metrics.rejected.inc()
