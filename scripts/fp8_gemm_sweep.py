@@ -224,6 +224,7 @@ def main() -> int:
     t0 = time.perf_counter()
 
     import torch
+    from zipage.kernels import common
     from zipage.kernels import fp8_linear as F
     from zipage.layers import quant
 
@@ -329,12 +330,12 @@ def main() -> int:
                             config=config.short(), rel=err, fields=dict(config.__dict__))
                     if label == "default" and variant == "w8a16" and m <= 64:
                         # the same config with Triton's own fp8 -> bf16 conversion, for comparison
-                        F.FAST_CONVERT = False
+                        common.FAST_FP8_WIDENING = False
                         try:
                             attempt("w8a16-tritoncvt", lambda i, c=config: (lambda: run_variant("w8a16", x, *fp8[i], c)),
                                     fp8_io, config=config.short())
                         finally:
-                            F.FAST_CONVERT = True
+                            common.FAST_FP8_WIDENING = True
             rows += layer_rows
             shown = [r for r in layer_rows if r["method"] in ("copy", "bf16", "scaled_mm", "scaled_mm-gemm", "quantize-x",
                                                               "w8a16-tritoncvt")

@@ -34,9 +34,9 @@ class AttentionMetadata:
     # through the prefill path. None otherwise.
     decode_part: "AttentionMetadata | None" = None
     chunk_part: "AttentionMetadata | None" = None
-    # Filled by the attention backend at a step's first layer, reused by the others (a backend's
-    # per-step scratch, e.g. the cache slots of every sequence's context for flash prefill).
-    backend_state: dict | None = None
+    # Flash prefill behind a cached prefix: (the cache slot of every key of every sequence's
+    # context, cu_seqlens_k), computed at a step's first layer and reused by the others.
+    context_slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 _current: AttentionMetadata | None = None

@@ -71,12 +71,10 @@ def gather_context(k_cache, v_cache, meta, dtype, k_scale=None, v_scale=None):
     """(keys, values, cu_seqlens_k): every sequence's context [total_seqlen_k, kv_heads,
     head_dim] in ``dtype``, packed; a float8 cache times its scales (each product rounded
     once to ``dtype``). The slots are computed at a step's first layer and kept in
-    ``meta.backend_state`` for the others."""
-    if meta.backend_state is None:
-        meta.backend_state = {}
-    if "context_slots" not in meta.backend_state:
-        meta.backend_state["context_slots"] = context_slots(meta, k_cache.shape[1])
-    slots, cu_k = meta.backend_state["context_slots"]
+    ``meta.context_slots`` for the others."""
+    if meta.context_slots is None:
+        meta.context_slots = context_slots(meta, k_cache.shape[1])
+    slots, cu_k = meta.context_slots
     kv_heads, head_dim = k_cache.shape[2:]
     keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
     values = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots)

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zipage.kernels.common import dot_precision, widen_fp8
+from zipage.kernels.common import dot_precision, fast_fp8_widening, widen_fp8
 
 try:
     import triton
@@ -75,7 +75,6 @@ PROGRAMS_PER_SM = 2
 MIN_K_ITERS = 4
 WORKSPACE_SHARE = 0.25
 TILE_COUNTERS = 1 << 14  # output tiles that can split K in one launch (counters per device)
-FAST_CONVERT = True  # False: Triton's own fp8 -> bf16 conversion (the sweep's comparison)
 
 
 @dataclass(frozen=True)
@@ -416,8 +415,7 @@ def _launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
         part, counters = torch.empty(split, m, n, dtype=torch.float32, device=x.device), _tile_counters(x.device)
     else:  # not read; float32 and int32 views, so that both cases share one compiled kernel
         part, counters = scale, scale.view(torch.int32)
-    # bf16 on a GPU: the integer-op conversion (the interpreter has no inline assembly)
-    fast = FAST_CONVERT and x.dtype == torch.bfloat16 and x.device.type == "cuda"
+    fast = fast_fp8_widening(x.dtype, x.device)
     grid = (m_tiles, n_tiles, split)
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
                   EVEN_N=n % bn == 0, HAS_BIAS=bias is not None, num_warps=config.num_warps,

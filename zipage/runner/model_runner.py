@@ -10,6 +10,7 @@ device (``penalties.py``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -355,17 +356,24 @@ class ModelRunner:
         return handle.query()
 
     def execute(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: set[int],
-                shape: StepShape | None = None, async_callback: Callable[[], None] | None = None) -> StepTokens:
+                shape: StepShape | None = None, async_callback: Callable[[], None] | None = None,
+                forward_guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                ) -> StepTokens:
         """Run one step for ``seqs`` and return one sampled token id per sequence (``StepTokens``).
 
         ``shape``: the step's numbers are already in the host buffers (filled by the caller).
         ``async_callback``: host work to overlap with the step, called once the step is queued on
         the device and before waiting for its tokens (on the CPU, before the forward).
+        ``forward_guard``: a context around the forward alone, sampling excluded (tensor
+        parallelism's: a failure in it concerns the other ranks).
         """
         on_cpu = self.device.type == "cpu"
         if async_callback is not None and on_cpu:
             async_callback()  # no device to wait for: let it run alongside the forward's GIL-free ops
-        step = self.launch(seqs, is_prefill, eos_token_ids, shape)
+        with forward_guard():
+            step = self.launch(seqs, is_prefill, eos_token_ids, shape, defer_sampling=True)
+        with torch.inference_mode():  # as launch would have sampled it
+            self._sample(step)
         if async_callback is not None and not on_cpu:
             async_callback()  # the device runs the step meanwhile
         return self.collect(step)

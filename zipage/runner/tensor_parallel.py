@@ -321,16 +321,12 @@ class ParallelRunner:
     def execute(self, seqs, is_prefill: bool, eos_token_ids: set[int], async_callback=None) -> list[int]:
         """A synchronous step (``ModelRunner.execute``): its tokens are read before the next one, so
         the followers need none, and only its forward is theirs."""
-        on_cpu = self.local.device.type == "cpu"
-        if async_callback is not None and on_cpu:
-            async_callback()  # before posting: its failure concerns no other rank
+        if async_callback is not None and self.local.device.type == "cpu":
+            async_callback()  # (where ModelRunner.execute runs it, but before posting: its failure
+            async_callback = None  # then concerns no other rank)
         shape = self._post_step(seqs, is_prefill)
-        with self._in_step():
-            step = self.local.launch(seqs, is_prefill, eos_token_ids, shape, defer_sampling=True)
-        self.local.sample(step)
-        if async_callback is not None and not on_cpu:
-            async_callback()  # the device runs the step meanwhile
-        return self.local.collect(step)
+        return self.local.execute(seqs, is_prefill, eos_token_ids, shape, async_callback,
+                                  forward_guard=self._in_step)
 
     def launch(self, seqs, is_prefill: bool, eos_token_ids: set[int], shape=None, previous=None,
                defer_sampling: bool = False):
