@@ -171,7 +171,9 @@ def test_throughput_mode_modifiers_and_bad_modes():
     opts = mode_options("zipage+sync+raw+block=64", args, settings)
     assert opts["compress"] and not opts["asynchronous"] and opts["redundancy"] == "raw" and opts["block_size"] == 64
     assert not mode_options("full+eager", args, settings)["compress"]
-    for bad in ("fast", "zipage+turbo", "zipage+budget=x"):
+    assert opts["piecewise_graph_tokens"] == 0 and mode_options("full+pieces=640", args, settings)[
+        "piecewise_graph_tokens"] == 640
+    for bad in ("fast", "zipage+turbo", "zipage+budget=x", "zipage+pieces=-1"):
         with pytest.raises(ValueError, match="mode"):
             mode_options(bad, args, settings)
 

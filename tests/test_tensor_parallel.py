@@ -384,15 +384,19 @@ ENGINE_DEVICE = os.environ.get("ZIPAGE_TEST_DEVICE", "cpu")
 # On GPUs each of the three engines compiles its fused kernels and captures its graphs in both
 # processes, so the bound is wider there (ZIPAGE_TP_TIMEOUT_S overrides it).
 ENGINE_TIMEOUT_S = float(os.environ.get("ZIPAGE_TP_TIMEOUT_S", 180 if ENGINE_DEVICE == "cpu" else 420))
-# variant -> (compression settings or None for full KV, asynchronous scheduling). Asynchronous
-# (launch-ahead) scheduling is the default: at size 2 the followers take the pending tokens
-# from rank 0's broadcast. The compressed ones (a 3-block budget for 40-token prompts and 70
-# output tokens) compress every request several times between steps.
+# variant -> (compression settings or None for full KV, asynchronous scheduling, other engine
+# options). Asynchronous (launch-ahead) scheduling is the default: at size 2 the followers take
+# the pending tokens from rank 0's broadcast. The compressed ones (a 3-block budget for 40-token
+# prompts and 70 output tokens) compress every request several times between steps. The pieces
+# one runs steps of up to 64 tokens as the layers' pieces between attentions (with all-reduces
+# inside them; graphs on GPUs), prompts in chunks beside decodes.
 ENGINE_VARIANTS = {
-    "full-kv": (None, True),
-    "compressed-async": (dict(max_blocks_per_seq=3, asynchronous=True), True),
-    "compressed-sync": (dict(max_blocks_per_seq=3, asynchronous=False), True),
-    "full-kv-step-sync": (None, False),
+    "full-kv": (None, True, {}),
+    "compressed-async": (dict(max_blocks_per_seq=3, asynchronous=True), True, {}),
+    "compressed-sync": (dict(max_blocks_per_seq=3, asynchronous=False), True, {}),
+    "full-kv-step-sync": (None, False, {}),
+    "compressed-pieces": (dict(max_blocks_per_seq=3, asynchronous=True), True,
+                          dict(piecewise_graph_tokens=64, max_num_batched_tokens=24)),
 }
 
 
@@ -402,14 +406,15 @@ def _engine_tokens(model_dir: str, tensor_parallel_size: int, variant: str, log=
     ``log`` hears each stage (built, generated, closed)."""
     from zipage import LLM, CompressionConfig, SamplingParams
 
-    settings, async_scheduling = ENGINE_VARIANTS[variant]
+    settings, async_scheduling, options = ENGINE_VARIANTS[variant]
     compression = CompressionConfig(**settings) if settings else None
     prompts = [list(range(5, 45)), list(range(5, 45)) + [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
     # max_num_seqs=4: three prompts, and few decode graphs to capture on a GPU
     with LLM(model_dir, device=ENGINE_DEVICE, dtype="float32", block_size=BLOCK, max_model_len=256,
              kv_cache_memory_bytes=1 << 22, tensor_parallel_size=tensor_parallel_size, max_num_seqs=4,
-             compression=compression, async_scheduling=async_scheduling) as llm:
+             compression=compression, async_scheduling=async_scheduling, **options) as llm:
         log("built")
+        assert (llm.engine.runner.piecewise is not None) == ("piecewise_graph_tokens" in options)
         assert llm.engine.async_scheduling == async_scheduling  # the runner supports it at every size
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True),
                                use_tqdm=False)

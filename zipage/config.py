@@ -91,7 +91,7 @@ class SchedulerConfig:
     # its config at load; 23,552 for Qwen3-8B). 0 (the default, as in vLLM): a chunk costs its
     # tokens. Off by default because on an H200 (docs/benchmarks.md, "Long prompts among
     # decoding streams") the smaller chunks did not lower the streams' p99 inter-token latency
-    # (a step mixing decodes with a chunk runs without CUDA graphs, and that floor dominates)
+    # (measured with steps that mix decodes with a chunk run eagerly, whose floor dominated)
     # and delayed the long prompts' first tokens.
     prefill_attention_span: int | None = 0
 
@@ -257,6 +257,11 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": the checkpoint's dtype on GPU, float32 on CPU
     seed: int = 0
     enforce_eager: bool = False
+    # Steps with prompt tokens (prefill, or decodes beside prompt chunks) of at most this many
+    # tokens replay their layers' non-attention parts as CUDA graphs, around an eager attention
+    # (runner/piecewise_graph.py); larger ones run eagerly. 0 (the default): all of them run
+    # eagerly. A CPU engine has no graphs: its pieces run as functions, to the same results.
+    piecewise_graph_tokens: int = 0
     load_format: str = "auto"  # "auto": safetensors weights; "dummy": random weights (benchmarks)
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
     tensor_parallel_size: int = 1  # processes (GPUs) sharing the model's heads and weights
@@ -287,6 +292,8 @@ class EngineConfig:
             _check_cuda_device(self.device)
         _check(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         _check(_is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(_is_int(self.piecewise_graph_tokens) and 0 <= self.piecewise_graph_tokens <= 65536,
+               f"piecewise_graph_tokens must be an integer in [0, 65536], got {self.piecewise_graph_tokens!r}")
         _check(isinstance(self.trust_remote_code, bool),
                f"trust_remote_code must be True or False, got {self.trust_remote_code!r}")
         _check(self.load_format in ("auto", "dummy"),

@@ -374,8 +374,8 @@ def _workload_args(args: argparse.Namespace) -> argparse.Namespace:
 
     wargs = workload_defaults()
     shared = ("model", "shape", "arch", "workload", "scale", "num_requests", "samples_per_prompt", "kv_cache_tokens",
-              "whole_gpu", "block_size", "redundancy", "no_prefix_caching", "enforce_eager", "max_num_seqs",
-              "tensor_parallel_size", "device", "seed", "trust_remote_code")
+              "whole_gpu", "block_size", "redundancy", "no_prefix_caching", "enforce_eager", "piecewise_graph_tokens",
+              "max_num_seqs", "tensor_parallel_size", "device", "seed", "trust_remote_code")
     vars(wargs).update({k: getattr(args, k) for k in shared})
     vars(wargs).update({k: v for k, v in (("modes", args.modes), ("temperature", args.temperature),
                                           ("budget", args.kv_budget_tokens), ("window", args.compression_window))

@@ -73,6 +73,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hybrid", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--piecewise-graph-tokens", type=int, default=0, metavar="N",
+                   help="steps with prompt tokens of at most N tokens replay their layers' non-attention parts as "
+                        "CUDA graphs (default 0: eagerly; per mode: +pieces=N)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="fp8: the same cache bytes hold about twice the tokens")
@@ -114,7 +117,8 @@ def _weight_bytes(model) -> int:
     return total - (embed.numel() * embed.element_size() if embed is not model.lm_head.weight else 0)
 
 
-MODIFIERS = "sync, async, no-hybrid, no-prefix, raw, no-redundancy, eager, step-sync, no-chunk, budget=N, block=N"
+MODIFIERS = ("sync, async, no-hybrid, no-prefix, raw, no-redundancy, eager, step-sync, no-chunk, budget=N, block=N, "
+             "pieces=N (steps with prompt tokens up to N replayed as piecewise CUDA graphs)")
 
 
 def mode_options(mode: str, args, settings: dict) -> dict:
@@ -129,7 +133,8 @@ def mode_options(mode: str, args, settings: dict) -> dict:
     opts = dict(compress=base == "zipage", asynchronous=asynchronous, hybrid=not args.no_hybrid,
                 prefix_caching=not args.no_prefix_caching, redundancy=args.redundancy,
                 enforce_eager=args.enforce_eager, budget=settings["budget"], block_size=settings["block_size"],
-                async_scheduling=True, chunked_prefill=True)
+                async_scheduling=True, chunked_prefill=True,
+                piecewise_graph_tokens=getattr(args, "piecewise_graph_tokens", 0))
     flags = {"sync": ("asynchronous", False), "async": ("asynchronous", True), "no-hybrid": ("hybrid", False),
              "no-prefix": ("prefix_caching", False), "raw": ("redundancy", "raw"),
              "no-redundancy": ("redundancy", "off"), "eager": ("enforce_eager", True),
@@ -139,8 +144,8 @@ def mode_options(mode: str, args, settings: dict) -> dict:
         if m in flags:
             key, val = flags[m]
             opts[key] = val
-        elif name in ("budget", "block") and value.isdigit():
-            opts["budget" if name == "budget" else "block_size"] = int(value)
+        elif name in ("budget", "block", "pieces") and value.isdigit():
+            opts[{"budget": "budget", "block": "block_size", "pieces": "piecewise_graph_tokens"}[name]] = int(value)
         else:
             raise ValueError(f"mode {mode!r}: unknown modifier {m!r}; choose from {MODIFIERS}")
     return opts
@@ -193,7 +198,7 @@ def engine_kwargs(mode: str, args, settings: dict, model_dir: str, requests, cac
     kwargs = dict(device=args.device, block_size=opts["block_size"],
                   max_num_seqs=args.max_num_seqs, max_model_len=longest + 1, compression=compression,
                   enable_prefix_caching=opts["prefix_caching"], enforce_eager=opts["enforce_eager"],
-                  async_scheduling=opts["async_scheduling"], enable_chunked_prefill=opts["chunked_prefill"],
+                  piecewise_graph_tokens=opts["piecewise_graph_tokens"], async_scheduling=opts["async_scheduling"], enable_chunked_prefill=opts["chunked_prefill"],
                   seed=args.seed,
                   tensor_parallel_size=args.tensor_parallel_size, trust_remote_code=_trust(args),
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),

@@ -66,7 +66,8 @@ class DecoderAttention(nn.Module):
         self.qk_norm = spec.qk_norm
         self.attn = Attention(layer_index, self.num_heads, self.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor):
+        """Queries, keys and values of ``hidden``, rotated: [tokens, heads or kv_heads, head_dim]."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -76,7 +77,7 @@ class DecoderAttention(nn.Module):
                                        self.k_norm.weight, self.q_norm.eps)
         else:
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v).flatten(1))
+        return q, k, v
 
 
 class DecoderMLP(nn.Module):
@@ -102,14 +103,26 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DecoderMLP(spec)
 
-    def forward(self, positions, hidden, residual):
+    # The layer in two halves around its attention, which alone reads the step's metadata and the
+    # cache: CUDA graphs of prefill steps capture the halves (runner/piecewise_graph.py).
+    def before_attention(self, positions, hidden, residual):
+        """Norm and projections: (q, k, v, residual); ``residual`` None at the first layer."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        return *self.self_attn.project(positions, hidden), residual
+
+    def after_attention(self, attn_out, residual):
+        """Output projection, norm and MLP of the attention's output [tokens, heads, head_dim]:
+        (hidden, residual)."""
+        hidden = self.self_attn.o_proj(attn_out.flatten(1))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def forward(self, positions, hidden, residual):
+        q, k, v, residual = self.before_attention(positions, hidden, residual)
+        return self.after_attention(self.self_attn.attn(q, k, v), residual)
 
 
 class DecoderModel(nn.Module):

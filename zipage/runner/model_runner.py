@@ -1,7 +1,8 @@
 """The model runner: builds the model and its KV cache, runs one step, samples.
 
-It turns the scheduler's batch into tensors (``inputs.py``), runs prefill eagerly
-and decode through CUDA graphs when it can (``cuda_graph.py``), and returns one
+It turns the scheduler's batch into tensors (``inputs.py``), runs decode steps through
+CUDA graphs (``cuda_graph.py``) and steps with prompt tokens through graphs of the layers'
+pieces around an eager attention (``piecewise_graph.py``) when it can, and returns one
 sampled token per request, with its log probabilities where the request asked (computed
 on the device, read back with the tokens). The sampler runs outside the CUDA graphs, on
 the logits they return. Rank 0 also keeps the penalised requests' token counts on the
@@ -29,6 +30,7 @@ from zipage.layers.sampler import SampledLogprobs, Sampler, compute_logprobs
 from zipage.models.registry import build_model
 from zipage.outputs import Logprob, PositionLogprobs
 from zipage.runner.cuda_graph import DecodeGraphs
+from zipage.runner.piecewise_graph import PiecewiseGraphs
 from zipage.runner.inputs import InputBuilder, ModelInputs, StepShape, _on_device, sampling_tensors
 from zipage.runner.penalties import PenaltyState
 from zipage.runner.thinking import ThinkingBudgets
@@ -204,6 +206,14 @@ class ModelRunner:
         window = compression.window if compression else None
         if self.device.type == "cuda":
             self._profile_peak_activation()
+        # Steps with prompt tokens: graphs of the layers' pieces between attentions (on the CPU, the
+        # same pieces as functions). They touch no cache, so they are captured now and the cache is
+        # sized with their memory counted.
+        self.piecewise = None
+        graph_tokens = min(config.piecewise_graph_tokens, sched.max_num_batched_tokens)
+        if graph_tokens > 0 and not config.enforce_eager:
+            self.piecewise = PiecewiseGraphs(self.model, graph_tokens, self.device)
+            self.piecewise.capture()
         self.num_blocks, self.num_query_slots = plan_cache(
             self.model.local_spec, cache, compression, self.dtype, self.device, sched.max_num_seqs, self.max_table_blocks)
         # Every rank must hold the same blocks and slots: the scheduler's plan names them.
@@ -279,7 +289,7 @@ class ModelRunner:
         down on an H200 pair. Decoding after this runs eagerly."""
         if self.device.type != "cuda":
             return
-        self.graphs = None
+        self.graphs = self.piecewise = None
         if self.compressor is not None:
             self.compressor.graphs = None
         torch.cuda.synchronize(self.device)
@@ -511,7 +521,10 @@ class ModelRunner:
         if not inputs.metadata.is_prefill and self.graphs is not None and self.graphs.can_run(inputs.num_seqs):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
         with attention_metadata(inputs.metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+            if self.piecewise is not None and self.piecewise.can_run(inputs.input_ids.shape[0]):
+                hidden = self.piecewise.run(inputs.input_ids, inputs.positions)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions)
         for row, out_row, seq in prompt_rows:
             values = self._prompt_logprobs(hidden, row, seq)
             if values is not None:
