@@ -108,8 +108,9 @@ def health_ms(server) -> float:
 
 
 def assert_unharmed(server) -> None:
-    """/health within 100 ms (best of 3: the machine is shared), a full free pool, the same greedy text."""
-    assert min(health_ms(server) for _ in range(3)) < 100
+    """/health within 500 ms (best of 3: the machine is shared; a wedged loop takes seconds or never
+    answers), a full free pool, the same greedy text."""
+    assert min(health_ms(server) for _ in range(3)) < 500
     deadline = time.monotonic() + 20
     while server.engine.call_threadsafe(server.llm.engine.has_unfinished_requests):
         assert time.monotonic() < deadline, "requests left in the engine"
