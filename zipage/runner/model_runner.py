@@ -30,9 +30,9 @@ from zipage.layers.sampler import SampledLogprobs, Sampler, compute_logprobs
 from zipage.models.registry import build_model
 from zipage.outputs import Logprob, PositionLogprobs
 from zipage.runner.cuda_graph import DecodeGraphs
-from zipage.runner.piecewise_graph import PiecewiseGraphs
 from zipage.runner.inputs import InputBuilder, ModelInputs, StepShape, _on_device, sampling_tensors
 from zipage.runner.penalties import PenaltyState
+from zipage.runner.piecewise_graph import PiecewiseGraphs
 from zipage.runner.thinking import ThinkingBudgets
 from zipage.compression.executor import Compressor
 from zipage.compression.graphs import CompressionGraphs
