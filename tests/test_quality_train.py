@@ -3,6 +3,7 @@ checkpoint both transformers and the engine load."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -78,6 +79,21 @@ def test_config_checks_its_values():
         train.TrainConfig(out="x", model_size="huge")
     with pytest.raises(ValueError, match="unknown task spec"):
         train.TrainConfig(out="x", task="nope")
+    with pytest.raises(ValueError, match=r"lr must be in \(0, 1\), got 0"):
+        train.TrainConfig(out="x", lr=0)
+
+
+def test_learning_rate_defaults_by_task_family():
+    assert train.TrainConfig(out="x").lr == train.DEFAULT_LR == 1.5e-3
+    assert train.TrainConfig(out="x", task="tracing").lr == train.DEFAULT_LR
+    for task in ("retrieval", "retrieval-short", "retrieval-tiny"):
+        assert train.TrainConfig(out="x", task=task).lr == 5e-4
+    assert train.TrainConfig(out="x", task="retrieval", lr=1e-3).lr == 1e-3
+    parser = argparse.ArgumentParser()
+    train.add_train_args(parser)
+    parser.set_defaults(from_module=True)
+    assert train.config_from_args(parser.parse_args(["--out", "x", "--task", "retrieval"])).lr == 5e-4
+    assert train.config_from_args(parser.parse_args(["--out", "x", "--lr", "2e-3"])).lr == 2e-3
 
 
 def _fact_counts(inputs: torch.Tensor) -> list[int]:
@@ -182,6 +198,7 @@ def test_curriculum_option_defaults_and_checks():
 
     parser = argparse.ArgumentParser()
     train.add_train_args(parser)
+    parser.set_defaults(from_module=True)
     for argv, expected in [([], "auto"), (["--curriculum", "none"], None),
                            (["--curriculum", "retrieval-short", "--curriculum-ramp", "0.3"], "retrieval-short")]:
         args = parser.parse_args(["--task", "retrieval", "--out", "x"] + argv)
