@@ -11,13 +11,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 what=${1:-all}
 RESULTS=${RESULTS:-out/piecewise}
 case "$what" in tests|serve|all) ;; *) echo "usage: bash scripts/gpu_piecewise.sh [tests|serve|all]" >&2; exit 2;; esac
-if ! python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
-  echo "no CUDA device: this script measures on a GPU" >&2
-  exit 2
-fi
+source scripts/gpu_common.sh
+require_cuda measures
 mkdir -p "$RESULTS"
-started=$(date +%s)
-stamp() { echo "[$(date +%H:%M:%S), $(( $(date +%s) - started )) s] $*"; }
 
 if [[ $what != serve ]]; then
   stamp "CUDA tests of the pieces"

@@ -25,21 +25,14 @@ SETTINGS=${SETTINGS:-defaults,keep_prompt,pool,block_window,tuned}
 LEDGER=checkpoints/ledger-14m
 RESERVE_S=45
 case "$part" in train|compare|all) ;; *) echo "PART must be train, compare or all, got '$part'" >&2; exit 2 ;; esac
-if ! awk -v m="$minutes" 'BEGIN { exit !(m + 0 == m && m > 0 && m <= 8) }'; then
-  echo "TRAIN_MINUTES must be a number in (0, 8], got '$minutes'" >&2
-  exit 2
-fi
+source scripts/gpu_common.sh
+check_train_minutes "$minutes"
 mkdir -p "$RESULTS"
-started=$(date +%s)
-stamp() { echo "[$(date +%H:%M:%S), $(( $(date +%s) - started )) s] $*"; }
 
 stamp "$(python3 -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch",
   torch.__version__, "transformers", transformers.__version__, "CUDA", torch.cuda.is_available())')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-if ! python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
-  echo "no CUDA device: this script trains and evaluates on a GPU" >&2
-  exit 2
-fi
+require_cuda "trains and evaluates"
 
 train() {
   local max_minutes

@@ -21,17 +21,10 @@ CHECKPOINT=${CHECKPOINT:-$RESULTS/retrieval-14m}
 CHUNK=${CHUNK:-256}
 BUDGETS=${BUDGETS:-0.25,0.375,0.5,0.75}
 RESERVE_S=30
-if ! awk -v m="$minutes" 'BEGIN { exit !(m + 0 == m && m > 0 && m <= 8) }'; then
-  echo "TRAIN_MINUTES must be a number in (0, 8], got '$minutes'" >&2
-  exit 2
-fi
-if ! python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
-  echo "no CUDA device: this script trains and evaluates on a GPU" >&2
-  exit 2
-fi
+source scripts/gpu_common.sh
+check_train_minutes "$minutes"
+require_cuda "trains and evaluates"
 mkdir -p "$RESULTS"
-started=$(date +%s)
-stamp() { echo "[$(date +%H:%M:%S), $(( $(date +%s) - started )) s] $*"; }
 
 max_minutes=$(awk -v m="$minutes" -v r="$RESERVE_S" 'BEGIN { printf "%.3f", m + r / 60 }')
 stamp "training the retrieval model into $CHECKPOINT: $minutes min of training"

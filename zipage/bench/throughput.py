@@ -198,8 +198,8 @@ def engine_kwargs(mode: str, args, settings: dict, model_dir: str, requests, cac
     kwargs = dict(device=args.device, block_size=opts["block_size"],
                   max_num_seqs=args.max_num_seqs, max_model_len=longest + 1, compression=compression,
                   enable_prefix_caching=opts["prefix_caching"], enforce_eager=opts["enforce_eager"],
-                  piecewise_graph_tokens=opts["piecewise_graph_tokens"], async_scheduling=opts["async_scheduling"], enable_chunked_prefill=opts["chunked_prefill"],
-                  seed=args.seed,
+                  piecewise_graph_tokens=opts["piecewise_graph_tokens"], async_scheduling=opts["async_scheduling"],
+                  enable_chunked_prefill=opts["chunked_prefill"], seed=args.seed,
                   tensor_parallel_size=args.tensor_parallel_size, trust_remote_code=_trust(args),
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                   quantization=getattr(args, "quantization", None))
