@@ -171,7 +171,7 @@ def test_throughput_mode_modifiers_and_bad_modes():
     opts = mode_options("zipage+sync+raw+block=64", args, settings)
     assert opts["compress"] and not opts["asynchronous"] and opts["redundancy"] == "raw" and opts["block_size"] == 64
     assert not mode_options("full+eager", args, settings)["compress"]
-    assert opts["piecewise_graph_tokens"] == 0 and mode_options("full+pieces=640", args, settings)[
+    assert opts["piecewise_graph_tokens"] is None and mode_options("full+pieces=640", args, settings)[
         "piecewise_graph_tokens"] == 640
     for bad in ("fast", "zipage+turbo", "zipage+budget=x", "zipage+pieces=-1"):
         with pytest.raises(ValueError, match="mode"):
@@ -404,3 +404,55 @@ def test_max_seconds_cuts_a_run_short_and_counts_its_tokens(tmp_path, capsys, mo
     assert cut["decode_steps"] < whole["full"]["decode_steps"]
     assert cli_main(["bench", "replay", *common, "--max-seconds", "0"]) != 0
     assert "--max-seconds must be > 0, got 0" in capsys.readouterr().err
+
+
+def test_a_traced_step_spans_its_forward_and_its_sampler(checkpoint_dir):
+    """The GPU timeline's step interval opens before the step's forward is queued and closes
+    after its sampler (events stand in for CUDA's on the CPU)."""
+    from tests.conftest import make_llm
+    from zipage import SamplingParams
+
+    log = []
+
+    class Trace:
+        steps, compressions = [], []
+
+        def mark(self):
+            log.append("mark")
+            return len(log) - 1
+
+    llm = make_llm(checkpoint_dir("qwen3"))
+    runner = llm.engine.runner
+    runner.trace = Trace()
+    forward, sample = runner.logits, runner.sampler.sample
+    runner.logits = lambda *a, **k: (log.append("forward"), forward(*a, **k))[1]
+    runner.sampler.sample = lambda *a, **k: (log.append("sample"), sample(*a, **k))[1]
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert Trace.steps and all(log[a] == "mark" and log[a + 1] == "forward" and log[b - 1] == "sample"
+                               for a, b in Trace.steps)
+
+
+def test_chunks_benchmark_times_every_chunk_of_the_prompt(tmp_path, capsys):
+    common = ["bench", "chunks", "--shape", "tiny", "--device", "cpu", "--streams", "4", "--input-len", "16",
+              "--prompt-len", "300", "--max-num-batched-tokens", "36", "--piecewise-graph-tokens", "40"]
+    assert cli_main([*common, "--out", str(tmp_path / "plain")]) == 0
+    result = json.loads((tmp_path / "plain" / "chunks.json").read_text())
+    steps = result["steps"]  # (depth, chunk tokens, host ms, wall ms)
+    assert [s[1] for s in steps] == [32] * 9 + [12]  # 36 tokens a step, 4 of them the streams' decodes
+    assert [s[0] for s in steps] == [32 * i for i in range(10)]
+    assert all(0 < host <= wall for _, _, host, wall in steps)
+    assert result["piecewise_graph_tokens"] == 36  # capped at a step's tokens
+    assert result["summary"]["mixed_steps"] == 10 and sum(b["steps"] for b in result["bands"]) == 10
+    assert result["summary"]["decode_step_ms"] > 0
+    assert "decode step before the prompt" in capsys.readouterr().out
+
+    assert cli_main([*common, "--profile", "--out", str(tmp_path / "profiled")]) == 0
+    result = json.loads((tmp_path / "profiled" / "chunks.json").read_text())
+    # The profiler recorded the three steps from 3/4 of the prompt on (its last two chunks, then a decode).
+    assert [s[0] for s in result["steps"]] == [32 * i for i in range(8)]
+    kinds = {row["kind"] for row in result["profile"]}
+    assert {"matmul", "attention", "no kernel running"} <= kinds
+
+    assert cli_main([*common[:-4], "--max-num-batched-tokens", "4"]) == 2
+    assert "--max-num-batched-tokens must exceed --streams (4), whose decodes come first in every step, got 4" \
+        in capsys.readouterr().err

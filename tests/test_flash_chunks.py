@@ -43,6 +43,35 @@ def varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, en
     return out
 
 
+def varlen_without_gqa(tokens_first):
+    """A stand-in for a torch whose varlen attention cannot group query heads but returns its
+    log-sum-exp ([tokens, heads] if ``tokens_first``, else [heads, tokens]) and takes a window.
+    A sequence without keys gets NaN rows, the worst an implementation could leave there."""
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        assert k.shape[1] == q.shape[1] and window_size in ((-1, 0), (-1, -1))
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:2], float("nan"))
+        for i in range(len(cu_q) - 1):
+            qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+            n, c = qs.stop - qs.start, ks.stop - ks.start
+            assert n <= max_q and c <= max_k
+            if c == 0:
+                continue
+            scores = (q[qs].transpose(0, 1).double() @ k[ks].permute(1, 2, 0).double()) * scale
+            if window_size == (-1, 0):
+                visible = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]
+                scores = scores.masked_fill(~visible, float("-inf"))
+            out[qs] = (scores.softmax(-1) @ v[ks].transpose(0, 1).double()).transpose(0, 1).to(q.dtype)
+            lse[qs] = scores.logsumexp(-1).transpose(0, 1).float()
+        if return_aux is None:
+            return out
+        return out, lse if tokens_first else lse.transpose(0, 1).contiguous()
+
+    return attend
+
+
 def chunk_step(device, dtype, chunks, seed=0, fp8=False):
     """A prefill step of chunks (queries, context) over random paged caches: (q, caches,
     scales, metadata)."""
@@ -94,6 +123,42 @@ def test_gathered_context_through_varlen_equals_paged_prefill(monkeypatch, fp8):
     # The second layer reuses the slots and agrees.
     again = backend.prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5, **scales)
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("tokens_first", [True, False])
+def test_two_part_attention_without_grouped_varlen_equals_paged_prefill(monkeypatch, fp8, tokens_first):
+    if fp8 and FP8_DTYPE is None:
+        pytest.skip("this torch has no float8")
+    monkeypatch.setattr(tb, "varlen_attn", varlen_without_gqa(tokens_first))
+    monkeypatch.setattr(tb, "_VARLEN_PARAMS", {"scale", "window_size", "return_aux"})
+    monkeypatch.setattr(tb, "_LSE_TOKENS_FIRST", {})
+    gathered = []
+    monkeypatch.setattr(tb, "gather_context", lambda *a, **k: gathered.append(1))  # the other path
+    q, k_cache, v_cache, scales, meta = chunk_step("cpu", torch.float16, CHUNKS, seed=1, fp8=fp8)
+    backend = tb.TritonBackend(use_flash_prefill=True)
+    out = backend.prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5, **scales)
+    assert not gathered and meta.split_slots is not None
+    assert torch.isfinite(out).all()  # the sequence without a prefix took its own part alone
+    ref = paged_prefill_attention_torch(q.double(), k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                        meta.context_lens, meta.max_seqlen_q, HEAD_DIM ** -0.5, **scales)
+    assert relative_error(out, ref) < 2e-3
+    again = backend.prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5, **scales)
+    assert torch.equal(again, out)
+
+
+def test_two_part_slots_list_prefixes_then_chunks():
+    q, k_cache, v_cache, _, meta = chunk_step("cpu", torch.float32, CHUNKS)
+    slots, cu_p, has_prefix = tb.split_context_slots(meta, BLOCK, q.shape[0])
+    prefixes = [context - n for n, context in CHUNKS]
+    assert cu_p.tolist() == [0, 16, 24, 24, 61]
+    assert has_prefix.flatten().tolist() == [p > 0 for (n, _), p in zip(CHUNKS, prefixes) for _ in range(n)]
+
+    def slot(i, pos):
+        return int(meta.block_tables[i, pos // BLOCK]) * BLOCK + pos % BLOCK
+    expected = [slot(i, pos) for i, p in enumerate(prefixes) for pos in range(p)]
+    expected += [slot(i, p + j) for i, ((n, _), p) in enumerate(zip(CHUNKS, prefixes)) for j in range(n)]
+    assert slots.tolist() == expected
 
 
 def test_context_slots_follow_the_block_tables():

@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import TEST_DEVICE, assert_pool_full, make_llm
 from zipage import SamplingParams
-from zipage.config import EngineConfig
+from zipage.config import PIECEWISE_GRAPH_TOKENS, EngineConfig
 from zipage.runner.piecewise_graph import PiecewiseGraphs, piecewise_token_sizes
 
 NEW_TOKENS = 16
@@ -33,8 +33,16 @@ def test_token_sizes_cover_every_step_with_bounded_padding():
 
 @pytest.mark.parametrize("value", [-1, 1.5, "2048", 70000])
 def test_bad_piecewise_graph_tokens_are_refused(value):
-    with pytest.raises(ValueError, match=r"piecewise_graph_tokens must be an integer in \[0, 65536\]"):
+    with pytest.raises(ValueError, match=r"piecewise_graph_tokens must be an integer in \[0, 65536\] or None"):
         EngineConfig("m", device="cpu", piecewise_graph_tokens=value)
+
+
+def test_the_default_piecewise_graph_tokens_is_on_for_one_gpu_only():
+    assert EngineConfig("m", device="cpu").piecewise_graph_tokens == 0  # no graphs on the CPU
+    assert EngineConfig("m", device="cpu", piecewise_graph_tokens=640).piecewise_graph_tokens == 640
+    assert PIECEWISE_GRAPH_TOKENS == 2048
+    if torch.cuda.is_available():
+        assert EngineConfig("m").piecewise_graph_tokens == PIECEWISE_GRAPH_TOKENS
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])

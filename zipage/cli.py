@@ -19,10 +19,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--piecewise-graph-tokens", type=int, default=0, metavar="N",
+    g.add_argument("--piecewise-graph-tokens", type=int, default=None, metavar="N",
                    help="steps with prompt tokens (prefill, or decodes beside prompt chunks) of at most N tokens "
-                        "replay their layers' non-attention parts as CUDA graphs (default 0: such steps run "
-                        "eagerly)")
+                        "replay their layers' non-attention parts as CUDA graphs (0: such steps run eagerly; "
+                        "default: 2048 on one GPU, else 0)")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before scheduling the next one")
     g.add_argument("--no-chunked-prefill", action="store_true",
@@ -91,7 +91,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                piecewise_graph_tokens=getattr(args, "piecewise_graph_tokens", 0),
+                piecewise_graph_tokens=getattr(args, "piecewise_graph_tokens", None),
                 async_scheduling=not args.no_async_scheduling,
                 enable_chunked_prefill=not getattr(args, "no_chunked_prefill", False),
                 prefill_attention_span=getattr(args, "prefill_attention_span", 0), seed=args.seed,

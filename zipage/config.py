@@ -248,6 +248,13 @@ class CompressionConfig:
         return (max_blocks or self.max_blocks_per_seq) * block_size - self.window
 
 
+# The default piecewise_graph_tokens on one GPU: steps of up to 2,048 tokens (128 decodes beside a
+# chunk of 1,920) are where an eager step's launch floor (about 48 ms for Qwen3-8B) is larger than
+# its matrix products. Capturing the pieces up to 1,024 tokens added 7.5 s to a Qwen3-8B engine's
+# start on an H200; up to 2,048 (20 buckets instead of 12) should add about 12 s.
+PIECEWISE_GRAPH_TOKENS = 2048
+
+
 @dataclass
 class EngineConfig:
     """Everything ``LLM(...)`` was asked for."""
@@ -259,9 +266,11 @@ class EngineConfig:
     enforce_eager: bool = False
     # Steps with prompt tokens (prefill, or decodes beside prompt chunks) of at most this many
     # tokens replay their layers' non-attention parts as CUDA graphs, around an eager attention
-    # (runner/piecewise_graph.py); larger ones run eagerly. 0 (the default): all of them run
-    # eagerly. A CPU engine has no graphs: its pieces run as functions, to the same results.
-    piecewise_graph_tokens: int = 0
+    # (runner/piecewise_graph.py); larger ones run eagerly. 0: all of them run eagerly. None (the
+    # default): PIECEWISE_GRAPH_TOKENS on one GPU, else 0 (on the CPU there are no graphs, the
+    # pieces would run as functions to the same results; with tensor parallelism the pieces'
+    # all-reduces have not yet run on GPUs).
+    piecewise_graph_tokens: int | None = None
     load_format: str = "auto"  # "auto": safetensors weights; "dummy": random weights (benchmarks)
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
     tensor_parallel_size: int = 1  # processes (GPUs) sharing the model's heads and weights
@@ -292,8 +301,9 @@ class EngineConfig:
             _check_cuda_device(self.device)
         _check(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         _check(_is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
-        _check(_is_int(self.piecewise_graph_tokens) and 0 <= self.piecewise_graph_tokens <= 65536,
-               f"piecewise_graph_tokens must be an integer in [0, 65536], got {self.piecewise_graph_tokens!r}")
+        _check(self.piecewise_graph_tokens is None
+               or (_is_int(self.piecewise_graph_tokens) and 0 <= self.piecewise_graph_tokens <= 65536),
+               f"piecewise_graph_tokens must be an integer in [0, 65536] or None, got {self.piecewise_graph_tokens!r}")
         _check(isinstance(self.trust_remote_code, bool),
                f"trust_remote_code must be True or False, got {self.trust_remote_code!r}")
         _check(self.load_format in ("auto", "dummy"),
@@ -309,6 +319,8 @@ class EngineConfig:
                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         tp = self.tensor_parallel_size
         _check(_is_int(tp) and tp >= 1, f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if self.piecewise_graph_tokens is None:
+            self.piecewise_graph_tokens = PIECEWISE_GRAPH_TOKENS if self.is_cuda and tp == 1 else 0
         if tp > 1 and self.is_cuda:
             first = int(self.device.split(":")[1]) if ":" in self.device else 0
             _check(first + tp <= torch.cuda.device_count(),

@@ -37,6 +37,9 @@ class AttentionMetadata:
     # Flash prefill behind a cached prefix: (the cache slot of every key of every sequence's
     # context, cu_seqlens_k), computed at a step's first layer and reused by the others.
     context_slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The same for the two-part attention of a torch without grouped-query varlen attention
+    # (``triton_backend.split_context_slots``).
+    split_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 _current: AttentionMetadata | None = None

@@ -9,6 +9,15 @@ keys and values per layer: for a chunk of n queries over c keys, 4 * c * kv_head
 head_dim bytes against 4 * n * c * heads * head_dim FLOPs of attention, small beside
 them from a few dozen queries on. Without flash attention (or in float32) the Triton
 kernel reads the paged cache itself.
+
+A torch whose varlen attention has no grouped-query option would need the context's keys
+and values repeated for every query head of a group: for Qwen3-8B's groups of 4, eight
+times the gathered bytes written and read again per layer, about 15 ms of a step with a
+chunk 23K tokens into its prompt on an H200, more than its matrix products. There a chunk
+behind a prefix attends in two parts whose softmaxes are merged by their log-sum-exps:
+over its prefix without a causal mask, where each group's query heads can be folded into
+the query rows of their shared KV head (no repeat), and over its own tokens causally (a
+repeat of the chunk's keys only).
 """
 
 from __future__ import annotations
@@ -23,10 +32,91 @@ from zipage.kernels.paged_prefill import paged_prefill_attention
 from zipage.kernels.store_kv import store_kv
 
 try:
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention.varlen import AuxRequest, varlen_attn
     _VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters)
 except ImportError:  # torch < 2.10
-    varlen_attn, _VARLEN_PARAMS = None, set()
+    AuxRequest, varlen_attn, _VARLEN_PARAMS = None, None, set()
+
+
+def _flash_with_lse(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    """Varlen flash attention (equal head counts) and its log-sum-exp per row, [tokens, heads] float32."""
+    kwargs = {"scale": scale} if "scale" in _VARLEN_PARAMS else {}
+    out, lse = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True),
+                           window_size=(-1, 0) if causal else (-1, -1), **kwargs)
+    return out, lse if _lse_is_tokens_first(q) else lse.transpose(0, 1)
+
+
+_LSE_TOKENS_FIRST: dict[tuple, bool] = {}
+
+
+def _lse_is_tokens_first(q) -> bool:
+    """Whether this torch's varlen attention returns its log-sum-exp as [tokens, heads] (newer)
+    rather than [heads, tokens]; found once per device and dtype by a call of 3 tokens, 1 head."""
+    key = (q.device.type, q.dtype, q.shape[-1])
+    if key not in _LSE_TOKENS_FIRST:
+        probe = torch.zeros(3, 1, q.shape[-1], dtype=q.dtype, device=q.device)
+        cu = torch.tensor([0, 3], dtype=torch.int32, device=q.device)
+        _, lse = varlen_attn(probe, probe, probe, cu, cu, 3, 3, return_aux=AuxRequest(lse=True))
+        _LSE_TOKENS_FIRST[key] = tuple(lse.shape) == (3, 1)
+    return _LSE_TOKENS_FIRST[key]
+
+
+def split_flash_available(q, k_cache) -> bool:
+    """Whether a chunk behind a prefix attends in two merged parts (see the module's note): the
+    query heads are grouped over fewer KV heads and this torch's varlen attention cannot group
+    them itself, but can return its log-sum-exp and take a window."""
+    return (q.shape[1] != k_cache.shape[2] and "enable_gqa" not in _VARLEN_PARAMS
+            and {"return_aux", "window_size"} <= _VARLEN_PARAMS and AuxRequest is not None)
+
+
+def split_context_slots(meta, block_size: int, num_tokens: int):
+    """For the two-part attention: (the cache slots of every sequence's prefix, packed in
+    sequence order, then of every sequence's chunk, in the queries' order; cu_seqlens of the
+    prefixes; [tokens, 1] whether each query's sequence has a prefix), without a host sync."""
+    lens = meta.context_lens.long()
+    cu_q = meta.cu_seqlens_q.long()
+    q_lens = cu_q[1:] - cu_q[:-1]
+    prefix_lens = lens - q_lens
+    cu_p = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
+    torch.cumsum(prefix_lens, 0, out=cu_p[1:])
+    total_prefix = meta.total_seqlen_k - num_tokens
+    seqs = torch.arange(lens.shape[0], device=lens.device)
+    seq_p = torch.repeat_interleave(seqs, prefix_lens, output_size=total_prefix)
+    pos_p = torch.arange(total_prefix, device=lens.device) - cu_p[:-1].long()[seq_p]
+    seq_q = torch.repeat_interleave(seqs, q_lens, output_size=num_tokens)
+    pos_q = prefix_lens[seq_q] + torch.arange(num_tokens, device=lens.device) - cu_q[:-1][seq_q]
+    seq, pos = torch.cat([seq_p, seq_q]), torch.cat([pos_p, pos_q])
+    slots = meta.block_tables.long()[seq, pos // block_size] * block_size + pos % block_size
+    return slots, cu_p, (prefix_lens[seq_q] > 0)[:, None]
+
+
+def _attend_split(q, k_cache, v_cache, meta, scale, k_scale, v_scale):
+    """Chunks behind a cached prefix in two parts, merged: see the module's note."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    if meta.split_slots is None:
+        meta.split_slots = split_context_slots(meta, k_cache.shape[1], tokens)
+    slots, cu_p, has_prefix = meta.split_slots
+    keys, values = _gather(k_cache, v_cache, slots, q.dtype, k_scale, v_scale)
+    prefix = meta.total_seqlen_k - tokens
+    # Over the prefix: row t * group + j is query t's j-th head of its KV head's group, so a
+    # sequence's rows stay contiguous and every row sees its sequence's whole prefix.
+    folded = q.reshape(tokens, kv_heads, group, head_dim).transpose(1, 2).reshape(tokens * group, kv_heads, head_dim)
+    out_p, lse_p = _flash_with_lse(folded, keys[:prefix], values[:prefix], meta.cu_seqlens_q * group, cu_p,
+                                   meta.max_seqlen_q * group, meta.max_seqlen_k, scale, causal=False)
+    out_p = out_p.view(tokens, group, kv_heads, head_dim).transpose(1, 2).reshape(tokens, heads, head_dim)
+    lse_p = lse_p.reshape(tokens, group, kv_heads).transpose(1, 2).reshape(tokens, heads)
+    # Over the chunk itself, causally.
+    own_k = keys[prefix:].repeat_interleave(group, 1)
+    own_v = values[prefix:].repeat_interleave(group, 1)
+    cu = meta.cu_seqlens_q
+    out_c, lse_c = _flash_with_lse(q, own_k, own_v, cu, cu, meta.max_seqlen_q, meta.max_seqlen_q, scale, causal=True)
+    # softmax over both = the parts weighted by their shares of the exponentials' sum; a query
+    # whose sequence has no prefix takes its chunk part alone (an empty part's values are undefined).
+    weight = torch.sigmoid(torch.where(has_prefix, lse_p, float("-inf")) - lse_c)[..., None]
+    out_p = torch.where(has_prefix[..., None], out_p, out_c)
+    return torch.lerp(out_c.float(), out_p.float(), weight).to(q.dtype)
 
 
 def _attend_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
@@ -75,13 +165,19 @@ def gather_context(k_cache, v_cache, meta, dtype, k_scale=None, v_scale=None):
     if meta.context_slots is None:
         meta.context_slots = context_slots(meta, k_cache.shape[1])
     slots, cu_k = meta.context_slots
+    return (*_gather(k_cache, v_cache, slots, dtype, k_scale, v_scale), cu_k)
+
+
+def _gather(k_cache, v_cache, slots, dtype, k_scale=None, v_scale=None):
+    """The keys and values at cache ``slots`` [n, kv_heads, head_dim] in ``dtype`` (a float8
+    cache times its scales, each product rounded once to ``dtype``)."""
     kv_heads, head_dim = k_cache.shape[2:]
     keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
     values = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
     if k_scale is not None:  # float8 -> dtype is exact; the in-place products run in float32
         keys = keys.to(dtype).mul_(k_scale.view(-1, kv_heads).index_select(0, slots)[..., None])
         values = values.to(dtype).mul_(v_scale.view(-1, kv_heads).index_select(0, slots)[..., None])
-    return keys, values, cu_k
+    return keys, values
 
 
 class TritonBackend(AttentionBackend):
@@ -106,6 +202,8 @@ class TritonBackend(AttentionBackend):
             return _attend_flash(q, k, v, cu, cu, meta.max_seqlen_q, meta.max_seqlen_q, scale)
         gathered_bytes = 2 * meta.total_seqlen_k * k_cache.shape[2] * k_cache.shape[3] * q.element_size()
         if flash_ok and 0 < gathered_bytes <= FLASH_GATHER_MAX_BYTES:
+            if meta.total_seqlen_k > q.shape[0] and split_flash_available(q, k_cache):
+                return _attend_split(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
             keys, values, cu_k = gather_context(k_cache, v_cache, meta, q.dtype, k_scale, v_scale)
             return _attend_flash(q, keys, values, meta.cu_seqlens_q, cu_k, meta.max_seqlen_q, meta.max_seqlen_k,
                                  scale)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 
 def add_bench_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, replay, decode, kernels, linear, moe, compression, host, router",
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, chunks, replay, decode, kernels, linear, moe, compression, host, "
+                                           "router",
                            description="Benchmarks of the engine, its server and its kernels.")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    from zipage.bench.chunks import add_chunks_parser
     from zipage.bench.compression import add_compression_parser
     from zipage.bench.decode import add_decode_parser
     from zipage.bench.host import add_host_parser
@@ -25,5 +27,6 @@ def add_bench_parser(sub) -> None:
     add_throughput_parser(kinds)
     add_replay_parser(kinds)
     add_serving_parser(kinds)
+    add_chunks_parser(kinds)
     add_host_parser(kinds)
     add_router_parser(kinds)

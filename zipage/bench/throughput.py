@@ -73,9 +73,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hybrid", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--piecewise-graph-tokens", type=int, default=0, metavar="N",
+    p.add_argument("--piecewise-graph-tokens", type=int, default=None, metavar="N",
                    help="steps with prompt tokens of at most N tokens replay their layers' non-attention parts as "
-                        "CUDA graphs (default 0: eagerly; per mode: +pieces=N)")
+                        "CUDA graphs (0: eagerly; default: the engine's, 2048 on one GPU; per mode: +pieces=N)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="fp8: the same cache bytes hold about twice the tokens")
@@ -134,7 +134,7 @@ def mode_options(mode: str, args, settings: dict) -> dict:
                 prefix_caching=not args.no_prefix_caching, redundancy=args.redundancy,
                 enforce_eager=args.enforce_eager, budget=settings["budget"], block_size=settings["block_size"],
                 async_scheduling=True, chunked_prefill=True,
-                piecewise_graph_tokens=getattr(args, "piecewise_graph_tokens", 0))
+                piecewise_graph_tokens=getattr(args, "piecewise_graph_tokens", None))
     flags = {"sync": ("asynchronous", False), "async": ("asynchronous", True), "no-hybrid": ("hybrid", False),
              "no-prefix": ("prefix_caching", False), "raw": ("redundancy", "raw"),
              "no-redundancy": ("redundancy", "off"), "eager": ("enforce_eager", True),

@@ -424,8 +424,9 @@ class ModelRunner:
             sampled_rows = itertools.accumulate((s.samples for s in seqs), initial=0)
             wanted = [(row, out_row, seq) for row, (seq, out_row) in enumerate(zip(seqs, sampled_rows))
                       if seq.chunk is not None and seq.needs_prompt_logprobs]
+        begin = self.trace.mark() if self.trace else None  # the step's GPU work starts with its forward
         logits = self.logits(inputs, wanted, step.prompt)
-        step.unsampled = (logits, st, self.trace.mark() if self.trace else None)
+        step.unsampled = (logits, st, begin)
         if not defer_sampling:
             self._sample(step)
         return step
