@@ -72,6 +72,21 @@ def varlen_without_gqa(tokens_first):
     return attend
 
 
+def flash_operator_stand_in(calls):
+    """A stand-in for ``torch.ops.aten._flash_attention_forward`` (causal calls only): its
+    keys and values keep their fewer heads, as the kernel takes them."""
+
+    def operator(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale,
+                 window_size_left, window_size_right):
+        assert dropout_p == 0.0 and is_causal and not return_debug_mask
+        assert (window_size_left, window_size_right) == (-1, 0) and k.shape[1] < q.shape[1]
+        calls.append(k.shape[0])
+        out = varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=True)
+        return out, None, None, None, None
+
+    return operator
+
+
 def chunk_step(device, dtype, chunks, seed=0, fp8=False):
     """A prefill step of chunks (queries, context) over random paged caches: (q, caches,
     scales, metadata)."""
@@ -147,6 +162,45 @@ def test_two_part_attention_without_grouped_varlen_equals_paged_prefill(monkeypa
     assert torch.equal(again, out)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_flash_operator_called_directly_takes_the_grouped_heads_as_they_are(monkeypatch, fp8):
+    if fp8 and FP8_DTYPE is None:
+        pytest.skip("this torch has no float8")
+    calls = []
+    monkeypatch.setattr(tb, "_flash_op", lambda: flash_operator_stand_in(calls))
+    monkeypatch.setitem(tb._direct_flash, "device_types", ("cpu", "cuda"))
+    # A wrapper that could only do the two parts: the direct call must come first.
+    monkeypatch.setattr(tb, "varlen_attn", None)
+    monkeypatch.setattr(tb, "_VARLEN_PARAMS", {"scale", "window_size", "return_aux"})
+    q, k_cache, v_cache, scales, meta = chunk_step("cpu", torch.float16, CHUNKS, seed=2, fp8=fp8)
+    backend = tb.TritonBackend(use_flash_prefill=True)
+    backend.use_flash_prefill = True  # this torch's varlen wrapper was patched away
+    out = backend.prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5, **scales)
+    assert calls == [sum(context for _, context in CHUNKS)] and meta.split_slots is None
+    ref = paged_prefill_attention_torch(q.double(), k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                        meta.context_lens, meta.max_seqlen_q, HEAD_DIM ** -0.5, **scales)
+    assert relative_error(out, ref) < 2e-3
+
+
+def test_a_refused_direct_call_falls_back_to_the_wrapper_for_good(monkeypatch, caplog):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Number of heads in key/value must divide number of heads in query")
+
+    monkeypatch.setattr(tb, "_flash_op", lambda: refuse)
+    monkeypatch.setitem(tb._direct_flash, "device_types", ("cpu", "cuda"))
+    monkeypatch.setitem(tb._direct_flash, "usable", True)
+    monkeypatch.setattr(tb, "varlen_attn", varlen_stand_in)
+    monkeypatch.setattr(tb, "_VARLEN_PARAMS", {"scale", "window_size", "enable_gqa"})
+    q, k_cache, v_cache, _, meta = chunk_step("cpu", torch.float16, CHUNKS, seed=4)
+    with caplog.at_level("WARNING", logger="zipage.attention.triton_backend"):
+        out = tb.TritonBackend(use_flash_prefill=True).prefill(q, None, None, k_cache, v_cache, meta,
+                                                               HEAD_DIM ** -0.5)
+    assert not tb._direct_flash["usable"] and "refused a direct call" in caplog.text
+    ref = paged_prefill_attention_torch(q.double(), k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                        meta.context_lens, meta.max_seqlen_q, HEAD_DIM ** -0.5)
+    assert relative_error(out, ref) < 2e-3
+
+
 def test_two_part_slots_list_prefixes_then_chunks():
     q, k_cache, v_cache, _, meta = chunk_step("cpu", torch.float32, CHUNKS)
     slots, cu_p, has_prefix = tb.split_context_slots(meta, BLOCK, q.shape[0])
@@ -187,8 +241,12 @@ def test_a_context_too_large_to_gather_reads_the_cache_in_place(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
                     or tb.varlen_attn is None, reason="needs a CUDA GPU with varlen flash attention")
 @pytest.mark.parametrize("fp8", [False, True])
-def test_cuda_flash_chunks_equal_the_paged_prefill_kernel(fp8):
-    # Realistic sizes: chunks of 64-512 queries behind prefixes of up to 3,000 tokens.
+@pytest.mark.parametrize("direct", [True, False])
+def test_cuda_flash_chunks_equal_the_paged_prefill_kernel(monkeypatch, fp8, direct):
+    # Realistic sizes: chunks of 64-512 queries behind prefixes of up to 3,000 tokens; the flash
+    # operator called directly, or (direct=False) torch's varlen wrapper: with grouped heads where
+    # it has them, else the two-part attention.
+    monkeypatch.setitem(tb._direct_flash, "usable", direct)
     global HEADS, KV_HEADS, HEAD_DIM, BLOCK
     saved = HEADS, KV_HEADS, HEAD_DIM, BLOCK
     HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 256
@@ -200,5 +258,30 @@ def test_cuda_flash_chunks_equal_the_paged_prefill_kernel(fp8):
         ref = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                       meta.max_seqlen_q, HEAD_DIM ** -0.5, **scales)
         assert relative_error(out, ref) < 1e-2
+        assert tb._direct_flash["usable"] == direct  # a direct call was not refused
     finally:
         HEADS, KV_HEADS, HEAD_DIM, BLOCK = saved
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+                    or tb.varlen_attn is None, reason="needs a CUDA GPU with varlen flash attention")
+@pytest.mark.parametrize("direct", [True, False])
+def test_cuda_first_chunks_attend_to_themselves_causally(monkeypatch, direct):
+    """Prompt chunks with no cached prefix: flash attention on the step's own grouped keys and
+    values, against the masked-SDPA stand-in on the CPU."""
+    monkeypatch.setitem(tb._direct_flash, "usable", direct)
+    g = torch.Generator().manual_seed(5)
+    lens = [300, 1, 77, 512]
+    cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu[-1]), 32, 128, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(int(cu[-1]), 8, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0, device="cuda"),
+                             context_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                             block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device="cuda"),
+                             cu_seqlens_q=cu.cuda(), max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    out = tb.TritonBackend(use_flash_prefill=True).prefill(q.cuda(), k.cuda(), v.cuda(), None, None, meta,
+                                                           128 ** -0.5)
+    ref = varlen_stand_in(q.float(), k.float(), v.float(), cu, cu, max(lens), max(lens), scale=128 ** -0.5,
+                          window_size=(-1, 0), enable_gqa=True)
+    assert relative_error(out.cpu(), ref) < 1e-2
+    assert tb._direct_flash["usable"] == direct

@@ -10,8 +10,13 @@ head_dim bytes against 4 * n * c * heads * head_dim FLOPs of attention, small be
 them from a few dozen queries on. Without flash attention (or in float32) the Triton
 kernel reads the paged cache itself.
 
-A torch whose varlen attention has no grouped-query option would need the context's keys
-and values repeated for every query head of a group: for Qwen3-8B's groups of 4, eight
+On a GPU the flash-attention operator is called directly
+(``torch.ops.aten._flash_attention_forward``, which the varlen wrapper calls too): the
+kernel groups query heads over fewer KV heads itself, which torch 2.11's wrapper does not
+let through, and the call skips the wrapper's custom-operator layer, about 70 us of host
+time a call, 36 calls a step. Should the operator refuse a call, the wrapper serves every
+later one. Through a wrapper without a grouped-query option the context's keys and values
+would have to be repeated for every query head of a group: for Qwen3-8B's groups of 4, eight
 times the gathered bytes written and read again per layer, about 15 ms of a step with a
 chunk 23K tokens into its prompt on an H200, more than its matrix products. There a chunk
 behind a prefix attends in two parts whose softmaxes are merged by their log-sum-exps:
@@ -23,6 +28,7 @@ repeat of the chunk's keys only).
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 
@@ -30,6 +36,8 @@ from zipage.attention.backend import AttentionBackend
 from zipage.kernels.paged_decode import paged_decode_attention
 from zipage.kernels.paged_prefill import paged_prefill_attention
 from zipage.kernels.store_kv import store_kv
+
+logger = logging.getLogger(__name__)
 
 try:
     from torch.nn.attention.varlen import AuxRequest, varlen_attn
@@ -119,9 +127,41 @@ def _attend_split(q, k_cache, v_cache, meta, scale, k_scale, v_scale):
     return torch.lerp(out_c.float(), out_p.float(), weight).to(q.dtype)
 
 
+# Whether the flash-attention operator is called directly (see the module's note), and on which
+# devices (the tests add the CPU, with a stand-in operator). "usable" turns False, with a
+# warning, the first time the operator refuses a call.
+_direct_flash = {"usable": True, "device_types": ("cuda",)}
+
+
+def _flash_op():
+    return torch.ops.aten._flash_attention_forward
+
+
+def _direct_flash_usable(q) -> bool:
+    return _direct_flash["usable"] and q.device.type in _direct_flash["device_types"]
+
+
+def _flash_directly(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """Causal flash attention through torch's operator itself (keys and values with fewer heads
+    than the queries as they are), or None where it cannot run."""
+    if not _direct_flash_usable(q):
+        return None
+    try:
+        return _flash_op()(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
+                           window_size_left=-1, window_size_right=0)[0]
+    except (AttributeError, RuntimeError, TypeError) as error:
+        _direct_flash["usable"] = False
+        logger.warning("torch's flash-attention operator refused a direct call (%s); prompt chunks now go "
+                       "through torch's varlen attention", error)
+        return None
+
+
 def _attend_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     """Causal varlen flash attention; with more keys than queries the diagonal is aligned at
     the end (query i of a sequence of n queries over c keys sees keys 0..c - n + i)."""
+    out = _flash_directly(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+    if out is not None:
+        return out
     kwargs = {}
     if "scale" in _VARLEN_PARAMS:
         kwargs["scale"] = scale
@@ -202,7 +242,8 @@ class TritonBackend(AttentionBackend):
             return _attend_flash(q, k, v, cu, cu, meta.max_seqlen_q, meta.max_seqlen_q, scale)
         gathered_bytes = 2 * meta.total_seqlen_k * k_cache.shape[2] * k_cache.shape[3] * q.element_size()
         if flash_ok and 0 < gathered_bytes <= FLASH_GATHER_MAX_BYTES:
-            if meta.total_seqlen_k > q.shape[0] and split_flash_available(q, k_cache):
+            if (meta.total_seqlen_k > q.shape[0] and split_flash_available(q, k_cache)
+                    and not _direct_flash_usable(q)):
                 return _attend_split(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
             keys, values, cu_k = gather_context(k_cache, v_cache, meta, q.dtype, k_scale, v_scale)
             return _attend_flash(q, keys, values, meta.cu_seqlens_q, cu_k, meta.max_seqlen_q, meta.max_seqlen_k,
