@@ -1,31 +1,41 @@
 #!/usr/bin/env bash
-# Piecewise CUDA graphs on one GPU (docs/design.md, "CUDA graphs"), in one job of about 8 minutes:
-#   tests: the pieces' CUDA tests (captured pieces against the layers, engines with pieces against
-#          eager engines) and the chunked-prefill tests with pieces on;
-#   serve: the long-prompt latency benchmark (docs/benchmarks.md, "Long prompts among decoding
-#          streams") with chunks of 512 and 2,048 tokens, each with --piecewise-graph-tokens 2048.
-# Usage: [RESULTS=dir] bash scripts/gpu_piecewise.sh [tests|serve|all]   (default all)
+# Mixed steps on one GPU (docs/benchmarks.md, "Long prompts among decoding streams"), in one job of
+# about 8 minutes:
+#   tests:  the CUDA tests of the pieces and of prompt chunks' flash attention (the operator called
+#           directly, and through the varlen wrapper);
+#   chunks: one 32K-token prompt's mixed steps beside 128 decoding streams, timed one by one, with
+#           where the device time goes (zipage bench chunks --profile), pieces on (the default);
+#   serve:  the long-prompt latency benchmark at chunks of 512 tokens, and at chunks costing 1,024
+#           tokens by attention (pieces on, the default).
+# Usage: [RESULTS=dir] bash scripts/gpu_piecewise.sh [tests|chunks|serve|all]   (default all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 what=${1:-all}
 RESULTS=${RESULTS:-out/piecewise}
-case "$what" in tests|serve|all) ;; *) echo "usage: bash scripts/gpu_piecewise.sh [tests|serve|all]" >&2; exit 2;; esac
+case "$what" in tests|chunks|serve|all) ;; *) echo "usage: bash scripts/gpu_piecewise.sh [tests|chunks|serve|all]" >&2; exit 2;; esac
 source scripts/gpu_common.sh
 require_cuda measures
 mkdir -p "$RESULTS"
 
-if [[ $what != serve ]]; then
-  stamp "CUDA tests of the pieces"
+if [[ $what == tests || $what == all ]]; then
+  stamp "CUDA tests of the pieces and of the chunks' flash attention"
   ZIPAGE_TEST_DEVICE=cuda TRITON_INTERPRET=0 timeout 240 python3 -m pytest -q -x -p no:cacheprovider \
-    tests/test_piecewise_graphs.py 2>&1 | tail -15 | tee "$RESULTS/tests.log"
+    tests/test_flash_chunks.py tests/test_piecewise_graphs.py 2>&1 | tail -15 | tee "$RESULTS/tests.log"
 fi
-if [[ $what != tests ]]; then
-  for chunk in 512 2048; do
-    stamp "long prompts among 128 streams: chunks of $chunk, pieces up to 2,048 tokens"
-    timeout 150 python3 -m zipage.cli bench serve --shape qwen3-8b --background 128 --input-len 128 \
+if [[ $what == chunks || $what == all ]]; then
+  stamp "one 32K-token prompt in steps of 512 tokens beside 128 streams"
+  timeout 120 python3 -m zipage.cli bench chunks --shape qwen3-8b --streams 128 --prompt-len 32768 \
+    --max-num-batched-tokens 512 --profile --out "$RESULTS/chunks" 2>&1 | grep -v "Warning\|warn" \
+    | tail -30 | tee "$RESULTS/chunks.log"
+fi
+if [[ $what == serve || $what == all ]]; then
+  for chunk in 512 1024; do
+    extra=(); [[ $chunk == 1024 ]] && extra=(--prefill-attention-span model)
+    stamp "long prompts among 128 streams: chunks of $chunk ${extra[*]}"
+    timeout 130 python3 -m zipage.cli bench serve --shape qwen3-8b --background 128 --input-len 128 \
       --output-len 3000 --long-prompts 8192,16384,32768 --long-repeats 2 --long-start 4 --long-rate 0.5 \
-      --long-output-len 16 --max-model-len 33280 --max-num-batched-tokens "$chunk" --piecewise-graph-tokens 2048 \
+      --long-output-len 16 --max-model-len 33280 --max-num-batched-tokens "$chunk" "${extra[@]}" \
       --out "$RESULTS/serve-c$chunk" 2>&1 | grep -v "^INFO\|Warning\|warn" | tail -10 | tee "$RESULTS/serve-c$chunk.log"
   done
 fi
