@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Mixed steps on one GPU (docs/benchmarks.md, "Long prompts among decoding streams"), in one job of
-# about 8 minutes:
+# about 9.5 minutes:
 #   tests:  the CUDA tests of the pieces and of prompt chunks' flash attention (the operator called
 #           directly, and through the varlen wrapper);
 #   chunks: one 32K-token prompt's mixed steps beside 128 decoding streams, timed one by one, with
 #           where the device time goes (zipage bench chunks --profile), pieces on (the default);
-#   serve:  the long-prompt latency benchmark at chunks of 512 tokens, and at chunks costing 1,024
-#           tokens by attention (pieces on, the default).
+#   serve:  the long-prompt latency benchmark at chunks of 512 tokens, at chunks costing 1,024 tokens
+#           by attention, and at chunks of 512 with Zipage (budget 2,048, prompts compressed between
+#           their chunks, so a chunk attends to at most the budget plus itself); pieces on (the default).
 # Usage: [RESULTS=dir] bash scripts/gpu_piecewise.sh [tests|chunks|serve|all]   (default all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,13 +31,15 @@ if [[ $what == chunks || $what == all ]]; then
     | tail -30 | tee "$RESULTS/chunks.log"
 fi
 if [[ $what == serve || $what == all ]]; then
-  for chunk in 512 1024; do
-    extra=(); [[ $chunk == 1024 ]] && extra=(--prefill-attention-span model)
+  for run in 512 1024 512z; do
+    chunk=${run%z}; extra=()
+    [[ $run == 1024 ]] && extra=(--prefill-attention-span model)
+    [[ $run == 512z ]] && extra=(--kv-budget-tokens 2048 --prefill-compression always)
     stamp "long prompts among 128 streams: chunks of $chunk ${extra[*]}"
     timeout 130 python3 -m zipage.cli bench serve --shape qwen3-8b --background 128 --input-len 128 \
       --output-len 3000 --long-prompts 8192,16384,32768 --long-repeats 2 --long-start 4 --long-rate 0.5 \
       --long-output-len 16 --max-model-len 33280 --max-num-batched-tokens "$chunk" "${extra[@]}" \
-      --out "$RESULTS/serve-c$chunk" 2>&1 | grep -v "^INFO\|Warning\|warn" | tail -10 | tee "$RESULTS/serve-c$chunk.log"
+      --out "$RESULTS/serve-c$run" 2>&1 | grep -v "^INFO\|Warning\|warn" | tail -10 | tee "$RESULTS/serve-c$run.log"
   done
 fi
 stamp "done: $RESULTS"

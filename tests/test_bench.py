@@ -453,6 +453,13 @@ def test_chunks_benchmark_times_every_chunk_of_the_prompt(tmp_path, capsys):
     kinds = {row["kind"] for row in result["profile"]}
     assert {"matmul", "attention", "no kernel running"} <= kinds
 
+    # With a budget the requests are compressed (the prompt between its chunks) and every chunk still runs.
+    assert cli_main([*common, "--kv-budget-tokens", "64", "--block-size", "16", "--prefill-compression", "always",
+                     "--out", str(tmp_path / "compressed")]) == 0
+    result = json.loads((tmp_path / "compressed" / "chunks.json").read_text())
+    chunks = [s[1] for s in result["steps"]]  # a stream being compressed skips its decode: its room goes to the chunk
+    assert sum(chunks) == 300 and max(chunks) <= 36 and result["summary"]["compressions"] >= 4
+
     assert cli_main([*common[:-4], "--max-num-batched-tokens", "4"]) == 2
     assert "--max-num-batched-tokens must exceed --streams (4), whose decodes come first in every step, got 4" \
         in capsys.readouterr().err

@@ -2,7 +2,8 @@
 
 ``--streams`` requests (random prompts of ``--input-len`` tokens) decode; then one prompt of
 ``--prompt-len`` tokens arrives and is prefilled in chunks of ``--max-num-batched-tokens``
-beside their decodes (full KV). Every step is timed on its own, the device synchronized after
+beside their decodes (full KV, or with ``--kv-budget-tokens`` every request compressed to
+its budget, the prompt between its chunks with ``--prefill-compression always``). Every step is timed on its own, the device synchronized after
 it: its host time (until the engine returns) and its wall time. Reported, by depth into the
 prompt (eighths): the mixed steps' median wall and host milliseconds, next to the median
 decode step before the prompt arrived, whose 3x is the latency target of such steps
@@ -48,6 +49,13 @@ def add_chunks_parser(sub) -> None:
                    help="as for the engine (0: mixed steps run eagerly; default: the engine's)")
     p.add_argument("--prefill-attention-span", type=_attention_span, default=0, metavar="SPAN|model",
                    help="as for the engine: chunks deep into the prompt cost more of the step's tokens")
+    p.add_argument("--kv-budget-tokens", type=int, default=None,
+                   help="compress every request to this many tokens per layer and KV head (default: full KV)")
+    p.add_argument("--prefill-compression", default="long", choices=["long", "always", "off"],
+                   help="with --kv-budget-tokens, as for the engine: always compresses the prompt between its "
+                        "chunks once its cache passes the budget, so chunks never attend to more than the "
+                        "budget plus a chunk")
+    p.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs at all")
     p.add_argument("--profile", action="store_true",
                    help="also record three mixed steps at 3/4 of the prompt with torch.profiler")
@@ -71,7 +79,7 @@ def _median(values: list[float]) -> float | None:
 
 
 def run_chunks_bench(args: argparse.Namespace) -> int:
-    from zipage import LLM, SamplingParams
+    from zipage import LLM, CompressionConfig, SamplingParams
     from zipage.bench.profile import StepProfiler, breakdown
 
     _check(args)
@@ -82,11 +90,15 @@ def run_chunks_bench(args: argparse.Namespace) -> int:
     # fewer tokens when chunks cost by attention: twice the plain count, and more, is room enough).
     stream_tokens = WARMUP_STEPS + DECODE_STEPS + 4 * steps_for_prompt + 4 * PROFILED_STEPS + 16
     max_model_len = max(args.prompt_len + 8, args.input_len + stream_tokens)
+    compression = None
+    if args.kv_budget_tokens is not None:
+        compression = CompressionConfig(kv_budget_tokens=args.kv_budget_tokens,
+                                        prefill_compression=args.prefill_compression)
     started = time.perf_counter()
     llm = LLM(model_dir, load_format=load_format, device=args.device, seed=args.seed, max_model_len=max_model_len,
               max_num_seqs=args.streams + 1, max_num_batched_tokens=args.max_num_batched_tokens,
               piecewise_graph_tokens=args.piecewise_graph_tokens, prefill_attention_span=args.prefill_attention_span,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, compression=compression, block_size=args.block_size)
     engine = llm.engine
     start_s = time.perf_counter() - started
     device = torch.device(engine.config.device)
@@ -130,6 +142,7 @@ def run_chunks_bench(args: argparse.Namespace) -> int:
             if chunk > 0:
                 mixed.append((done, chunk, host, wall))
             done += chunk
+        compressions = engine.stats.num_compressions
     finally:
         llm.close()
 
@@ -147,9 +160,12 @@ def run_chunks_bench(args: argparse.Namespace) -> int:
     summary = dict(decode_step_ms=decode_step, mixed_steps=len(mixed), wall_ms_p50=_median(walls),
                    wall_ms_p90=walls[int(0.9 * (len(walls) - 1))] if walls else None,
                    wall_ms_max=walls[-1] if walls else None, host_ms_p50=_median([m[2] for m in mixed]),
-                   target_ms=3 * decode_step if decode_step else None, engine_start_s=start_s)
+                   target_ms=3 * decode_step if decode_step else None, engine_start_s=start_s,
+                   compressions=compressions)
+    kv = "full KV" if compression is None else (f"budget {args.kv_budget_tokens}, prefill compression "
+                                                f"{args.prefill_compression}")
     print(f"{args.streams} streams decoding, one prompt of {args.prompt_len:,} tokens in steps of "
-          f"{args.max_num_batched_tokens} tokens; pieces up to {graph_tokens} tokens; "
+          f"{args.max_num_batched_tokens} tokens; {kv}; pieces up to {graph_tokens} tokens; "
           f"{device_name(device)}; engine start {start_s:.1f} s")
     print(f"decode step before the prompt: {decode_step:.2f} ms (target for a mixed step: 3x = "
           f"{3 * decode_step:.1f} ms)")
