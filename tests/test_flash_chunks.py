@@ -285,3 +285,17 @@ def test_cuda_first_chunks_attend_to_themselves_causally(monkeypatch, direct):
                           window_size=(-1, 0), enable_gqa=True)
     assert relative_error(out.cpu(), ref) < 1e-2
     assert tb._direct_flash["usable"] == direct
+
+
+def test_running_out_of_memory_is_not_taken_for_a_refusal(monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(tb, "_flash_op", lambda: out_of_memory)
+    monkeypatch.setitem(tb._direct_flash, "device_types", ("cpu", "cuda"))
+    monkeypatch.setitem(tb._direct_flash, "usable", True)
+    q, k_cache, v_cache, _, meta = chunk_step("cpu", torch.float16, CHUNKS)
+    monkeypatch.setattr(tb, "_VARLEN_PARAMS", {"scale", "window_size", "enable_gqa"})
+    with pytest.raises(torch.OutOfMemoryError):
+        tb.TritonBackend(use_flash_prefill=True).prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+    assert tb._direct_flash["usable"]

@@ -149,6 +149,8 @@ def _flash_directly(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     try:
         return _flash_op()(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
                            window_size_left=-1, window_size_right=0)[0]
+    except torch.OutOfMemoryError:  # the step's failure, not the operator's refusal
+        raise
     except (AttributeError, RuntimeError, TypeError) as error:
         _direct_flash["usable"] = False
         logger.warning("torch's flash-attention operator refused a direct call (%s); prompt chunks now go "
