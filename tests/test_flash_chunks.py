@@ -118,6 +118,12 @@ def chunk_step(device, dtype, chunks, seed=0, fp8=False):
     return q, k_cache.to(device), v_cache.to(device), scales, meta
 
 
+def paged_reference(q, k_cache, v_cache, meta, **scales):
+    """The paged-prefill twin's attention of a chunk step, in float64."""
+    return paged_prefill_attention_torch(q.double(), k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                         meta.context_lens, meta.max_seqlen_q, HEAD_DIM ** -0.5, **scales)
+
+
 CHUNKS = [(5, 21), (1, 9), (8, 8), (3, 40)]  # (queries, context): prefixes of 16, 8, 0 and 37 tokens
 
 
@@ -155,8 +161,7 @@ def test_two_part_attention_without_grouped_varlen_equals_paged_prefill(monkeypa
     out = backend.prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5, **scales)
     assert not gathered and meta.split_slots is not None
     assert torch.isfinite(out).all()  # the sequence without a prefix took its own part alone
-    ref = paged_prefill_attention_torch(q.double(), k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                        meta.context_lens, meta.max_seqlen_q, HEAD_DIM ** -0.5, **scales)
+    ref = paged_reference(q, k_cache, v_cache, meta, **scales)
     assert relative_error(out, ref) < 2e-3
     again = backend.prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5, **scales)
     assert torch.equal(again, out)
@@ -169,6 +174,7 @@ def test_the_flash_operator_called_directly_takes_the_grouped_heads_as_they_are(
     calls = []
     monkeypatch.setattr(tb, "_flash_op", lambda: flash_operator_stand_in(calls))
     monkeypatch.setitem(tb._direct_flash, "device_types", ("cpu", "cuda"))
+    monkeypatch.setitem(tb._direct_flash, "usable", True)
     # A wrapper that could only do the two parts: the direct call must come first.
     monkeypatch.setattr(tb, "varlen_attn", None)
     monkeypatch.setattr(tb, "_VARLEN_PARAMS", {"scale", "window_size", "return_aux"})
@@ -177,8 +183,7 @@ def test_the_flash_operator_called_directly_takes_the_grouped_heads_as_they_are(
     backend.use_flash_prefill = True  # this torch's varlen wrapper was patched away
     out = backend.prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5, **scales)
     assert calls == [sum(context for _, context in CHUNKS)] and meta.split_slots is None
-    ref = paged_prefill_attention_torch(q.double(), k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                        meta.context_lens, meta.max_seqlen_q, HEAD_DIM ** -0.5, **scales)
+    ref = paged_reference(q, k_cache, v_cache, meta, **scales)
     assert relative_error(out, ref) < 2e-3
 
 
@@ -196,8 +201,7 @@ def test_a_refused_direct_call_falls_back_to_the_wrapper_for_good(monkeypatch, c
         out = tb.TritonBackend(use_flash_prefill=True).prefill(q, None, None, k_cache, v_cache, meta,
                                                                HEAD_DIM ** -0.5)
     assert not tb._direct_flash["usable"] and "refused a direct call" in caplog.text
-    ref = paged_prefill_attention_torch(q.double(), k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                        meta.context_lens, meta.max_seqlen_q, HEAD_DIM ** -0.5)
+    ref = paged_reference(q, k_cache, v_cache, meta)
     assert relative_error(out, ref) < 2e-3
 
 
