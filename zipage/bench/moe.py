@@ -4,6 +4,7 @@ For each batch size the layer (router, grouped GEMMs, combine) runs on random bf
 model shape, in a CUDA graph. Its floor is the bytes it must read: the router, the experts the
 batch's tokens actually chose (counted from this batch's routing), and the activations, at the
 measured copy bandwidth. ``--sweep`` also times other GEMM tiles, to choose the default.
+``--quantization fp8`` runs float8 experts with per-row scales (W8A16), whose bytes halve.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def add_moe_parser(sub) -> None:
     p.add_argument("--batch", default="1,64,256", help="tokens per step, comma-separated")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--sweep", action="store_true", help="also time every tile of the sweep; report the best")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="float8 experts (per-row scales)")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run_moe_bench)
 
@@ -62,7 +64,11 @@ def run_moe_bench(args: argparse.Namespace) -> int:
     w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=dtype) * 0.02
     w2 = torch.randn(experts, hidden, inter, device=dev, dtype=dtype) * 0.02
     gate = torch.randn(experts, hidden, device=dev, dtype=dtype) * 0.02
-    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    scales = {}
+    if args.quantization == "fp8":
+        w13, scales["w13_scale"] = _quantized(w13)
+        w2, scales["w2_scale"] = _quantized(w2)
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size() + sum(s[0].numel() * 4 for s in scales.values())
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):
         x = torch.randn(batch, hidden, device=dev, dtype=dtype)
@@ -75,7 +81,8 @@ def run_moe_bench(args: argparse.Namespace) -> int:
         timed = []
         for t in tiles:
             try:
-                timed.append((_time(lambda: fused_moe(x, w13, w2, x @ gate.T, top_k, True, tiles=t), args.iters), t))
+                timed.append((_time(lambda: fused_moe(x, w13, w2, x @ gate.T, top_k, True, tiles=t, **scales),
+                                     args.iters), t))
             except Exception as error:  # noqa: BLE001 - a tile that does not fit this GPU's shared memory
                 print(f"tiles {t}: {type(error).__name__}")
         default = timed[0][0]
@@ -83,8 +90,16 @@ def run_moe_bench(args: argparse.Namespace) -> int:
         rows.append(dict(batch=batch, experts_touched=touched, floor_MB=floor_bytes / 1e6, ms=default * 1e3,
                          roofline_fraction=floor / default, best_ms=best * 1e3, best_tiles=str(best_tiles),
                          best_fraction=floor / best))
+    experts_dtype = "fp8 experts (W8A16)" if scales else "bf16"
     print(f"{args.shape}: {experts} experts, {top_k} per token, hidden {hidden}, expert intermediate {inter}; "
-          f"bf16, CUDA graph; floor at {COPY_BANDWIDTH_BYTES_PER_S / 1e12:.2f} TB/s")
+          f"{experts_dtype}, CUDA graph; floor at {COPY_BANDWIDTH_BYTES_PER_S / 1e12:.2f} TB/s")
     print_table(rows, list(rows[0]))
-    write_json(args.out, dict(benchmark="moe", shape=args.shape, rows=rows))
+    write_json(args.out, dict(benchmark="moe", shape=args.shape, quantization=args.quantization, rows=rows))
     return 0
+
+
+def _quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 experts, float32 scales [experts, rows]) of ``w`` [experts, rows, columns], per row."""
+    from zipage.layers.quant import quantize_rows
+    q, s = quantize_rows(w.reshape(-1, w.shape[-1]))
+    return q.view(w.shape), s.view(w.shape[:2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from zipage.layers.linear import Linear
+from zipage.layers.moe import SparseMoE
 from zipage.layers.quant import checkpoint_fp8, fp8_linears, matches_module
 from zipage.models.decoder import DecoderForCausalLM, DecoderSpec
 
@@ -91,6 +92,9 @@ def build_model(config, max_position: int, quantization: str | None = None) -> D
         dtype = model.model.embed_tokens.weight.dtype
         for name, module in model.named_modules():
             if isinstance(module, Linear) and module.is_fp8 and matches_module(name, keep + _fused(name, keep)):
+                module.unquantize(dtype)
+            elif isinstance(module, SparseMoE) and module.is_fp8 and (
+                    matches_module(name, keep) or matches_module(f"{name}.experts", keep)):
                 module.unquantize(dtype)
     model.quantization = "fp8" if fp8 else None
     model.fp8_block_size = block  # the checkpoint's weight_block_size (None: not an FP8 checkpoint)
