@@ -187,6 +187,120 @@ def test_the_flash_operator_called_directly_takes_the_grouped_heads_as_they_are(
     assert relative_error(out, ref) < 2e-3
 
 
+def flash_operator_with_lse(calls, tokens_first=False):
+    """A stand-in for the operator with both masks and its log-sum-exp ([heads, tokens] as
+    FlashAttention-2 returns it, or [tokens, heads]); a sequence without keys gets NaN rows."""
+
+    def operator(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale,
+                 window_size_left, window_size_right):
+        assert dropout_p == 0.0 and not return_debug_mask and window_size_left == -1
+        assert window_size_right == (0 if is_causal else -1) and k.shape[1] < q.shape[1]
+        calls.append((is_causal, k.shape[0], q.shape[0]))
+        group = q.shape[1] // k.shape[1]
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:2], float("nan"))
+        for i in range(len(cu_q) - 1):
+            qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+            n, c = qs.stop - qs.start, ks.stop - ks.start
+            assert n <= max_q and c <= max_k, (n, max_q, c, max_k)
+            if c == 0 or n == 0:
+                continue
+            keys = k[ks].permute(1, 2, 0).double().repeat_interleave(group, 0)
+            scores = (q[qs].transpose(0, 1).double() @ keys) * scale
+            if is_causal:
+                visible = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]
+                scores = scores.masked_fill(~visible, float("-inf"))
+            values = v[ks].transpose(0, 1).double().repeat_interleave(group, 0)
+            out[qs] = (scores.softmax(-1) @ values).transpose(0, 1).to(q.dtype)
+            lse[qs] = scores.logsumexp(-1).transpose(0, 1).float()
+        return out, lse if tokens_first else lse.transpose(0, 1).contiguous(), None, None, None
+
+    return operator
+
+
+# Prefixes of 16, 8, 0, 37 and 2 tokens: with 3 to 5 pieces, some pieces are empty.
+PIECE_CHUNKS = CHUNKS + [(2, 4)]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("pieces,tokens_first", [(2, False), (3, True), (5, False)])
+def test_split_k_chunk_attention_equals_paged_prefill(monkeypatch, fp8, pieces, tokens_first):
+    """Prefixes split into pieces attended to without a mask, the chunks' own keys causally, the
+    parts merged by their log-sum-exps: the float64 paged reference, also where pieces are empty."""
+    if fp8 and FP8_DTYPE is None:
+        pytest.skip("this torch has no float8")
+    calls = []
+    monkeypatch.setattr(tb, "_flash_op", lambda: flash_operator_with_lse(calls, tokens_first))
+    monkeypatch.setitem(tb._direct_flash, "device_types", ("cpu", "cuda"))
+    monkeypatch.setitem(tb._direct_flash, "usable", True)
+    monkeypatch.setattr(tb, "prefix_pieces", lambda meta, heads, device: pieces)
+    q, k_cache, v_cache, scales, meta = chunk_step("cpu", torch.float16, PIECE_CHUNKS, seed=6, fp8=fp8)
+    backend = tb.TritonBackend(use_flash_prefill=True)
+    backend.use_flash_prefill = True
+    out = backend.prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5, **scales)
+    tokens, prefix = q.shape[0], sum(c - n for n, c in PIECE_CHUNKS)
+    assert calls == [(False, prefix, pieces * tokens), (True, tokens, tokens)]
+    assert torch.isfinite(out).all()
+    ref = paged_reference(q, k_cache, v_cache, meta, **scales)
+    assert relative_error(out, ref) < 2e-3
+    again = backend.prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5, **scales)
+    assert torch.equal(again, out) and len(calls) == 4  # the next layer reuses the slots
+
+
+def test_piece_slots_list_pieces_by_piece_then_the_chunks():
+    q, _, _, _, meta = chunk_step("cpu", torch.float32, PIECE_CHUNKS)
+    slots, cu_rep, cu_k, nonempty = tb.piece_slots(meta, BLOCK, q.shape[0], 3)
+    prefixes = [c - n for n, c in PIECE_CHUNKS]  # 16, 8, 0, 37, 2
+    sizes = [-(-p // 3) for p in prefixes]  # 6, 3, 0, 13, 1
+    lens = [[max(0, min(size, p - j * size)) for p, size in zip(prefixes, sizes)] for j in range(3)]
+    assert cu_k.tolist() == [0, *torch.tensor(lens).flatten().cumsum(0).tolist()]
+    tokens = q.shape[0]
+    cu_q = meta.cu_seqlens_q.tolist()
+    assert cu_rep.tolist() == [j * tokens + c for j in range(3) for c in cu_q[:-1]] + [3 * tokens]
+
+    def slot(i, pos):
+        return int(meta.block_tables[i, pos // BLOCK]) * BLOCK + pos % BLOCK
+    expected = [slot(i, j * sizes[i] + t) for j in range(3) for i in range(len(prefixes)) for t in range(lens[j][i])]
+    expected += [slot(i, p + t) for i, ((n, _), p) in enumerate(zip(PIECE_CHUNKS, prefixes)) for t in range(n)]
+    assert slots.tolist() == expected
+    rows = [i for i, (n, _) in enumerate(PIECE_CHUNKS) for _ in range(n)]
+    assert nonempty.tolist() == [[lens[j][i] > 0 for i in rows] for j in range(3)]
+
+
+def test_prefix_pieces_fill_the_gpu_only_where_the_chunks_do_not(monkeypatch):
+    monkeypatch.setattr(tb, "_multiprocessor_count", lambda device: 132)
+
+    def meta(max_q, max_k, batch=1):
+        return AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0), context_lens=torch.zeros(batch),
+                                 block_tables=torch.empty(0), max_seqlen_q=max_q, max_seqlen_k=max_k)
+    # 90 queries, 32 heads, 40K keys deep: 32 programs, 8 pieces fill two per SM
+    assert tb.prefix_pieces(meta(90, 40_000), 32, "cuda") == 8
+    assert tb.prefix_pieces(meta(512, 40_000), 32, "cuda") == 2  # four query tiles
+    assert tb.prefix_pieces(meta(90, 26_000), 32, "cuda") == 6  # pieces of at least 4,096 keys
+    assert tb.prefix_pieces(meta(90, 8_000), 32, "cuda") == 1
+    assert tb.prefix_pieces(meta(2048, 26_000), 32, "cuda") == 1  # the chunk fills the GPU itself
+    assert tb.prefix_pieces(meta(1, 500_000), 1, "cuda") == tb.FLASH_MAX_PIECES
+
+
+def test_a_refused_split_call_falls_back_to_one_call(monkeypatch, caplog):
+    """The operator refusing the unmasked call (a torch without it): a warning, then the wrapper."""
+    def refuse_unmasked(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, *args, **kwargs):
+        raise RuntimeError("window_size_right must be 0")
+
+    monkeypatch.setattr(tb, "_flash_op", lambda: refuse_unmasked)
+    monkeypatch.setitem(tb._direct_flash, "device_types", ("cpu", "cuda"))
+    monkeypatch.setitem(tb._direct_flash, "usable", True)
+    monkeypatch.setattr(tb, "prefix_pieces", lambda meta, heads, device: 2)
+    monkeypatch.setattr(tb, "varlen_attn", varlen_stand_in)
+    monkeypatch.setattr(tb, "_VARLEN_PARAMS", {"scale", "window_size", "enable_gqa"})
+    q, k_cache, v_cache, _, meta = chunk_step("cpu", torch.float16, PIECE_CHUNKS, seed=7)
+    with caplog.at_level("WARNING", logger="zipage.attention.triton_backend"):
+        out = tb.TritonBackend(use_flash_prefill=True).prefill(q, None, None, k_cache, v_cache, meta,
+                                                               HEAD_DIM ** -0.5)
+    assert not tb._direct_flash["usable"] and "refused a direct call" in caplog.text
+    assert relative_error(out, paged_reference(q, k_cache, v_cache, meta)) < 2e-3
+
+
 def test_a_refused_direct_call_falls_back_to_the_wrapper_for_good(monkeypatch, caplog):
     def refuse(*args, **kwargs):
         raise RuntimeError("Number of heads in key/value must divide number of heads in query")
@@ -263,6 +377,29 @@ def test_cuda_flash_chunks_equal_the_paged_prefill_kernel(monkeypatch, fp8, dire
                                       meta.max_seqlen_q, HEAD_DIM ** -0.5, **scales)
         assert relative_error(out, ref) < 1e-2
         assert tb._direct_flash["usable"] == direct  # a direct call was not refused
+    finally:
+        HEADS, KV_HEADS, HEAD_DIM, BLOCK = saved
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+                    or tb.varlen_attn is None, reason="needs a CUDA GPU with varlen flash attention")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_deep_chunks_split_k_equal_the_paged_prefill_kernel(fp8):
+    """Chunks of few queries deep into their prompts: split into pieces by the operator's own
+    calls (the real operator's log-sum-exp layout and unmasked call), against the Triton kernel."""
+    global HEADS, KV_HEADS, HEAD_DIM, BLOCK
+    saved = HEADS, KV_HEADS, HEAD_DIM, BLOCK
+    HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 256
+    try:
+        chunks = [(90, 20_000), (1, 3_000), (7, 7)]
+        q, k_cache, v_cache, scales, meta = chunk_step("cuda", torch.bfloat16, chunks, seed=8, fp8=fp8)
+        assert tb.prefix_pieces(meta, HEADS, q.device) > 1
+        out = tb.TritonBackend(use_flash_prefill=True).prefill(q, None, None, k_cache, v_cache, meta,
+                                                               HEAD_DIM ** -0.5, **scales)
+        assert meta.piece_slots is not None and tb._direct_flash["usable"]
+        ref = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                                      meta.max_seqlen_q, HEAD_DIM ** -0.5, **scales)
+        assert relative_error(out, ref) < 1e-2
     finally:
         HEADS, KV_HEADS, HEAD_DIM, BLOCK = saved
 

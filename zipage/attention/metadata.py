@@ -40,6 +40,8 @@ class AttentionMetadata:
     # The same for the two-part attention of a torch without grouped-query varlen attention
     # (``triton_backend.split_context_slots``).
     split_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The same for split-K chunk attention: (pieces, ``triton_backend.piece_slots``).
+    piece_slots: tuple | None = None
 
 
 _current: AttentionMetadata | None = None

@@ -23,6 +23,14 @@ behind a prefix attends in two parts whose softmaxes are merged by their log-sum
 over its prefix without a causal mask, where each group's query heads can be folded into
 the query rows of their shared KV head (no repeat), and over its own tokens causally (a
 repeat of the chunk's keys only).
+
+A chunk of few queries deep into its prompt makes few flash programs (one per 128 queries and
+query head), each streaming the whole prefix: on an H200 a chunk of about 90 queries 26K tokens
+deep took 0.8 ms a layer, at a small share of the copy bandwidth. With the operator called
+directly, such a chunk's prefix is split into pieces (``prefix_pieces``), attended to as
+sequences of their own by one call without a mask (the queries repeated once per piece), its
+own keys by a causal call, and the parts merged by their log-sum-exps: split-K for prompt
+chunks, so that the step fills the GPU.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import logging
 import torch
 
 from zipage.attention.backend import AttentionBackend
-from zipage.kernels.paged_decode import paged_decode_attention
+from zipage.kernels.paged_decode import _multiprocessor_count, paged_decode_attention
 from zipage.kernels.paged_prefill import paged_prefill_attention
 from zipage.kernels.store_kv import store_kv
 
@@ -141,14 +149,15 @@ def _direct_flash_usable(q) -> bool:
     return _direct_flash["usable"] and q.device.type in _direct_flash["device_types"]
 
 
-def _flash_directly(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    """Causal flash attention through torch's operator itself (keys and values with fewer heads
-    than the queries as they are), or None where it cannot run."""
+def _flash_call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
+    """(output, log-sum-exp) of flash attention through torch's operator itself (keys and values
+    with fewer heads than the queries as they are; causal with the diagonal at the end, or no
+    mask), or None where it cannot run."""
     if not _direct_flash_usable(q):
         return None
     try:
-        return _flash_op()(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
-                           window_size_left=-1, window_size_right=0)[0]
+        return _flash_op()(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+                           window_size_left=-1, window_size_right=0 if causal else -1)[:2]
     except torch.OutOfMemoryError:  # the step's failure, not the operator's refusal
         raise
     except (AttributeError, RuntimeError, TypeError) as error:
@@ -156,6 +165,97 @@ def _flash_directly(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         logger.warning("torch's flash-attention operator refused a direct call (%s); prompt chunks now go "
                        "through torch's varlen attention", error)
         return None
+
+
+def _flash_directly(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """Causal flash attention through torch's operator itself, or None where it cannot run."""
+    result = _flash_call(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+    return None if result is None else result[0]
+
+
+def _lse_rows(lse, rows: int, heads: int):
+    """The operator's log-sum-exp as [rows, heads] float32, whichever way round it returns it."""
+    return (lse if tuple(lse.shape) == (rows, heads) else lse.transpose(0, 1)).float()
+
+
+# Split-K for prompt chunks (see the module's note): pieces of at least this many prefix keys,
+# at most this many pieces, enough for this many flash programs per SM. Flash attention cuts the
+# queries into tiles of FLASH_QUERY_TILE rows, one program per tile and query head. The split
+# costs host time (two calls and a merge of a dozen small operations per layer, about 13 ms a
+# Qwen3-8B step on an H200's host), which a step saves on the device only deep into a prompt:
+# beside 128 decoding streams, chunks of 80-300 queries ran 20-23 ms a step unsplit up to 8K
+# tokens deep and 25 ms split; from 16K deep 34-48 ms unsplit and 26-35 ms split (pieces of at
+# least 1,024 keys then; docs/benchmarks.md). Pieces of 4,096 keys split prefixes from 8K on.
+FLASH_PIECE_MIN_KEYS = 4096
+FLASH_MAX_PIECES = 16
+FLASH_PROGRAMS_PER_SM = 2
+FLASH_QUERY_TILE = 128
+
+
+def prefix_pieces(meta, heads: int, device: torch.device) -> int:
+    """Into how many pieces the prefixes of a step's chunks are split: 1 (no split) unless the
+    step's chunks alone make too few flash programs to fill the GPU, from host-known sizes only."""
+    programs = -(-meta.max_seqlen_q // FLASH_QUERY_TILE) * meta.context_lens.shape[0] * heads
+    wanted = FLASH_PROGRAMS_PER_SM * _multiprocessor_count(device) // max(programs, 1)
+    longest_prefix = meta.max_seqlen_k - 1
+    return max(1, min(FLASH_MAX_PIECES, wanted, longest_prefix // FLASH_PIECE_MIN_KEYS))
+
+
+def piece_slots(meta, block_size: int, num_tokens: int, pieces: int):
+    """For split-K chunk attention, without a host sync: (the cache slots of the keys of every
+    prefix piece, piece by piece and, within a piece, sequence by sequence, then of every
+    sequence's chunk, in the queries' order; cu_seqlens of the repeated queries and of the
+    pieces' keys, sequence (piece j, sequence i) at j * batch + i; [pieces, tokens] whether the
+    piece of each query's sequence holds keys)."""
+    lens = meta.context_lens.long()
+    batch, device = lens.shape[0], lens.device
+    cu_q = meta.cu_seqlens_q.long()
+    q_lens = cu_q[1:] - cu_q[:-1]
+    prefix_lens = lens - q_lens
+    size = (prefix_lens + pieces - 1) // pieces  # keys per piece of each sequence's prefix
+    first = torch.arange(pieces, device=device)[:, None] * size[None, :]
+    piece_lens = (prefix_lens[None, :] - first).clamp(min=0).minimum(size[None, :])  # [pieces, batch]
+    flat = piece_lens.flatten()
+    cu_k = torch.zeros(pieces * batch + 1, dtype=torch.int32, device=device)
+    torch.cumsum(flat, 0, out=cu_k[1:])
+    total_prefix = meta.total_seqlen_k - num_tokens
+    segment = torch.repeat_interleave(torch.arange(pieces * batch, device=device), flat, output_size=total_prefix)
+    seq_p = segment % batch
+    pos_p = first.flatten()[segment] + torch.arange(total_prefix, device=device) - cu_k[:-1].long()[segment]
+    seq_q = torch.repeat_interleave(torch.arange(batch, device=device), q_lens, output_size=num_tokens)
+    pos_q = prefix_lens[seq_q] + torch.arange(num_tokens, device=device) - cu_q[:-1][seq_q]
+    seq, pos = torch.cat([seq_p, seq_q]), torch.cat([pos_p, pos_q])
+    slots = meta.block_tables.long()[seq, pos // block_size] * block_size + pos % block_size
+    starts = torch.arange(pieces, device=device)[:, None] * num_tokens + cu_q[None, :-1]
+    cu_rep = torch.cat([starts.flatten(), cu_q.new_full((1,), pieces * num_tokens)]).to(torch.int32)
+    return slots, cu_rep, cu_k, (piece_lens > 0)[:, seq_q]
+
+
+def _attend_pieces(q, k_cache, v_cache, meta, scale, pieces, k_scale, v_scale):
+    """Chunks behind a cached prefix, split-K (see the module's note); None where the operator
+    refused a call."""
+    tokens, heads, head_dim = q.shape
+    if meta.piece_slots is None or meta.piece_slots[0] != pieces:
+        meta.piece_slots = (pieces, piece_slots(meta, k_cache.shape[1], tokens, pieces))
+    slots, cu_rep, cu_k, nonempty = meta.piece_slots[1]
+    keys, values = _gather(k_cache, v_cache, slots, q.dtype, k_scale, v_scale)
+    prefix = meta.total_seqlen_k - tokens
+    longest_piece = -(-(meta.max_seqlen_k - 1) // pieces)
+    over_prefix = _flash_call(q.repeat(pieces, 1, 1), keys[:prefix], values[:prefix], cu_rep, cu_k,
+                              meta.max_seqlen_q, longest_piece, scale, causal=False)
+    own = over_prefix and _flash_call(q, keys[prefix:], values[prefix:], meta.cu_seqlens_q, meta.cu_seqlens_q,
+                                      meta.max_seqlen_q, meta.max_seqlen_q, scale)
+    if not own:
+        return None
+    # softmax over every part = the parts weighted by their shares of the exponentials' sum; an
+    # empty piece (a prefix shorter than the pieces) weighs nothing, whatever its rows hold.
+    lse = torch.cat([_lse_rows(over_prefix[1], pieces * tokens, heads).view(pieces, tokens, heads),
+                     _lse_rows(own[1], tokens, heads)[None]])
+    lse[:-1].masked_fill_(~nonempty[..., None], float("-inf"))
+    weights = torch.softmax(lse, dim=0)[..., None]  # [pieces + 1, tokens, heads, 1]
+    parts = torch.cat([over_prefix[0].view(pieces, tokens, heads, head_dim), own[0][None]])
+    parts = torch.where(weights > 0, parts.float(), 0.0)
+    return (parts * weights).sum(0).to(q.dtype)
 
 
 def _attend_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
@@ -244,6 +344,11 @@ class TritonBackend(AttentionBackend):
             return _attend_flash(q, k, v, cu, cu, meta.max_seqlen_q, meta.max_seqlen_q, scale)
         gathered_bytes = 2 * meta.total_seqlen_k * k_cache.shape[2] * k_cache.shape[3] * q.element_size()
         if flash_ok and 0 < gathered_bytes <= FLASH_GATHER_MAX_BYTES:
+            if meta.total_seqlen_k > q.shape[0] and _direct_flash_usable(q):
+                pieces = prefix_pieces(meta, q.shape[1], q.device)
+                out = _attend_pieces(q, k_cache, v_cache, meta, scale, pieces, k_scale, v_scale) if pieces > 1 else None
+                if out is not None:
+                    return out
             if (meta.total_seqlen_k > q.shape[0] and split_flash_available(q, k_cache)
                     and not _direct_flash_usable(q)):
                 return _attend_split(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
