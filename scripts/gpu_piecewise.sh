@@ -8,7 +8,10 @@
 #   serve:  the long-prompt latency benchmark at chunks of 512 tokens, at chunks costing 1,024 tokens
 #           by attention, and at chunks of 512 with Zipage (budget 2,048, prompts compressed between
 #           their chunks, so a chunk attends to at most the budget plus itself); pieces on (the default).
-# Usage: [RESULTS=dir] bash scripts/gpu_piecewise.sh [tests|chunks|serve|all]   (default all)
+# Usage: [RESULTS=dir] [RUNS="512 1024:model 512z"] [SPAN=model|N] bash scripts/gpu_piecewise.sh [tests|chunks|serve|all]
+#        (default all). RUNS lists the serve runs, each CHUNK[:SPAN][z]: chunks of CHUNK tokens, costed
+#        by attention over SPAN keys (--prefill-attention-span), z for Zipage as above. SPAN is the
+#        chunks run's --prefill-attention-span (default 0: off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
@@ -27,19 +30,20 @@ fi
 if [[ $what == chunks || $what == all ]]; then
   stamp "one 32K-token prompt in steps of 512 tokens beside 128 streams"
   timeout 120 python3 -m zipage.cli bench chunks --shape qwen3-8b --streams 128 --prompt-len 32768 \
-    --max-num-batched-tokens 512 --profile --out "$RESULTS/chunks" 2>&1 | grep -v "Warning\|warn" \
+    --max-num-batched-tokens 512 --prefill-attention-span "${SPAN:-0}" --profile --out "$RESULTS/chunks" 2>&1 | grep -v "Warning\|warn" \
     | tail -30 | tee "$RESULTS/chunks.log"
 fi
 if [[ $what == serve || $what == all ]]; then
-  for run in 512 1024 512z; do
-    chunk=${run%z}; extra=()
-    [[ $run == 1024 ]] && extra=(--prefill-attention-span model)
-    [[ $run == 512z ]] && extra=(--kv-budget-tokens 2048 --prefill-compression always)
+  for run in ${RUNS:-512 1024:model 512z}; do
+    spec=${run%z}; chunk=${spec%%:*}; extra=()
+    [[ $spec == *:* ]] && extra=(--prefill-attention-span "${spec#*:}")
+    [[ $run == *z ]] && extra+=(--kv-budget-tokens 2048 --prefill-compression always)
     stamp "long prompts among 128 streams: chunks of $chunk ${extra[*]}"
     timeout 130 python3 -m zipage.cli bench serve --shape qwen3-8b --background 128 --input-len 128 \
       --output-len 3000 --long-prompts 8192,16384,32768 --long-repeats 2 --long-start 4 --long-rate 0.5 \
       --long-output-len 16 --max-model-len 33280 --max-num-batched-tokens "$chunk" "${extra[@]}" \
-      --out "$RESULTS/serve-c$run" 2>&1 | grep -v "^INFO\|Warning\|warn" | tail -10 | tee "$RESULTS/serve-c$run.log"
+      --out "$RESULTS/serve-c${run/:/-s}" 2>&1 | grep -v "^INFO\|Warning\|warn" | tail -10 \
+      | tee "$RESULTS/serve-c${run/:/-s}.log"
   done
 fi
 stamp "done: $RESULTS"
