@@ -173,9 +173,21 @@ def _flash_directly(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     return None if result is None else result[0]
 
 
-def _lse_rows(lse, rows: int, heads: int):
-    """The operator's log-sum-exp as [rows, heads] float32, whichever way round it returns it."""
-    return (lse if tuple(lse.shape) == (rows, heads) else lse.transpose(0, 1)).float()
+_DIRECT_LSE_TOKENS_FIRST: dict[tuple, bool] = {}
+
+
+def _lse_rows(lse, q):
+    """The operator's log-sum-exp as [rows, heads] float32, whichever way round this torch
+    returns it (found once per device, dtype and head size by a call of 3 tokens, 1 head: the
+    shape of a real call cannot tell when it has as many rows as heads)."""
+    key = (q.device.type, q.dtype, q.shape[-1])
+    if key not in _DIRECT_LSE_TOKENS_FIRST:
+        probe = torch.zeros(3, 1, q.shape[-1], dtype=q.dtype, device=q.device)
+        cu = torch.tensor([0, 3], dtype=torch.int32, device=q.device)
+        probe_lse = _flash_op()(probe, probe, probe, cu, cu, 3, 3, 0.0, True, False, scale=1.0,
+                                window_size_left=-1, window_size_right=0)[1]
+        _DIRECT_LSE_TOKENS_FIRST[key] = tuple(probe_lse.shape) == (3, 1)
+    return (lse if _DIRECT_LSE_TOKENS_FIRST[key] else lse.transpose(0, 1)).float()
 
 
 # Split-K for prompt chunks (see the module's note): pieces of at least this many prefix keys,
@@ -249,8 +261,7 @@ def _attend_pieces(q, k_cache, v_cache, meta, scale, pieces, k_scale, v_scale):
         return None
     # softmax over every part = the parts weighted by their shares of the exponentials' sum; an
     # empty piece (a prefix shorter than the pieces) weighs nothing, whatever its rows hold.
-    lse = torch.cat([_lse_rows(over_prefix[1], pieces * tokens, heads).view(pieces, tokens, heads),
-                     _lse_rows(own[1], tokens, heads)[None]])
+    lse = torch.cat([_lse_rows(over_prefix[1], q).view(pieces, tokens, heads), _lse_rows(own[1], q)[None]])
     lse[:-1].masked_fill_(~nonempty[..., None], float("-inf"))
     weights = torch.softmax(lse, dim=0)[..., None]  # [pieces + 1, tokens, heads, 1]
     parts = torch.cat([over_prefix[0].view(pieces, tokens, heads, head_dim), own[0][None]])
