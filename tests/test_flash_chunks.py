@@ -19,8 +19,9 @@ import torch.nn.functional as F  # noqa: E402
 import zipage.attention.triton_backend as tb  # noqa: E402
 from zipage.attention.metadata import AttentionMetadata  # noqa: E402
 from zipage.kernels.common import FP8_DTYPE, quantize_fp8_torch  # noqa: E402
+from zipage.kernels.merge_parts import merge_parts, merge_parts_torch  # noqa: E402
 from zipage.kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_torch  # noqa: E402
-from tests.conftest import relative_error  # noqa: E402
+from tests.conftest import relative_error, require_triton  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 8
 
@@ -224,12 +225,16 @@ PIECE_CHUNKS = CHUNKS + [(2, 4)]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("pieces,tokens_first", [(2, False), (3, True), (5, False)])
-def test_split_k_chunk_attention_equals_paged_prefill(monkeypatch, fp8, pieces, tokens_first):
+@pytest.mark.parametrize("pieces,tokens_first,kernel", [(2, False, False), (3, True, True), (5, False, True)])
+def test_split_k_chunk_attention_equals_paged_prefill(monkeypatch, fp8, pieces, tokens_first, kernel):
     """Prefixes split into pieces attended to without a mask, the chunks' own keys causally, the
-    parts merged by their log-sum-exps: the float64 paged reference, also where pieces are empty."""
+    parts merged by their log-sum-exps (the Triton kernel, or its twin): the float64 paged
+    reference, also where pieces are empty."""
     if fp8 and FP8_DTYPE is None:
         pytest.skip("this torch has no float8")
+    if kernel:
+        require_triton()
+        monkeypatch.setattr(tb, "merge_parts_torch", merge_parts)  # CPU tensors: the kernel, interpreted
     calls = []
     monkeypatch.setattr(tb, "_flash_op", lambda: flash_operator_with_lse(calls, tokens_first))
     monkeypatch.setitem(tb._direct_flash, "device_types", ("cpu", "cuda"))
@@ -247,6 +252,44 @@ def test_split_k_chunk_attention_equals_paged_prefill(monkeypatch, fp8, pieces, 
     assert relative_error(out, ref) < 2e-3
     again = backend.prefill(q, None, None, k_cache, v_cache, meta, HEAD_DIM ** -0.5, **scales)
     assert torch.equal(again, out) and len(calls) == 4  # the next layer reuses the slots
+
+
+def _merge_reference(out_p, lse_p, out_c, lse_c, nonempty):
+    """Float64 softmax over the parts' keys: each part's output weighted by exp(lse)."""
+    pieces, tokens = nonempty.shape
+    lse = torch.cat([lse_p.double().reshape(pieces, tokens, -1), lse_c.double()[None]])
+    keep = torch.cat([nonempty.bool(), torch.ones(1, tokens, dtype=torch.bool)])[..., None]
+    weights = torch.where(keep, lse.exp(), 0.0)[..., None]
+    parts = torch.cat([out_p.double().reshape(pieces, tokens, *out_c.shape[1:]), out_c.double()[None]])
+    parts = torch.where(weights > 0, parts, 0.0)
+    return (parts * weights).sum(0) / weights.sum(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("pieces,tokens,heads_first", [(2, 5, True), (3, 1, False), (6, 7, True)])
+def test_merge_parts_kernel_matches_its_twin_and_float64(dtype, pieces, tokens, heads_first):
+    """Fresh random parts; empty pieces hold NaN (what an operator may leave there) and +inf
+    log-sum-exps; the pieces' log-sum-exp as a transposed view of [heads, rows], as the flash
+    operator returns it."""
+    require_triton()
+    g = torch.Generator().manual_seed(pieces * 10 + tokens)
+    heads, dim = 3, 16
+    out_p = torch.randn(pieces * tokens, heads, dim, generator=g).to(dtype)
+    out_c = torch.randn(tokens, heads, dim, generator=g).to(dtype)
+    lse_p = torch.randn(pieces * tokens, heads, generator=g) * 4
+    lse_c = torch.randn(tokens, heads, generator=g) * 4
+    nonempty = (torch.rand(pieces, tokens, generator=g) > 0.3).to(torch.uint8)
+    empty_rows = (nonempty == 0).flatten()
+    out_p[empty_rows] = float("nan")
+    lse_p[empty_rows] = float("inf")
+    if heads_first:
+        lse_p, lse_c = lse_p.t().contiguous().t(), lse_c.t().contiguous().t()
+    ref = _merge_reference(out_p, lse_p, out_c, lse_c, nonempty)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    twin = merge_parts_torch(out_p, lse_p, out_c, lse_c, nonempty)
+    out = merge_parts(out_p, lse_p, out_c, lse_c, nonempty)
+    assert out.dtype == twin.dtype == dtype and torch.isfinite(out).all()
+    assert relative_error(twin, ref) < tolerance and relative_error(out, ref) < tolerance
 
 
 @pytest.mark.parametrize("tokens_first", [False, True])

@@ -29,8 +29,8 @@ query head), each streaming the whole prefix: on an H200 a chunk of about 90 que
 deep took 0.8 ms a layer, at a small share of the copy bandwidth. With the operator called
 directly, such a chunk's prefix is split into pieces (``prefix_pieces``), attended to as
 sequences of their own by one call without a mask (the queries repeated once per piece), its
-own keys by a causal call, and the parts merged by their log-sum-exps: split-K for prompt
-chunks, so that the step fills the GPU.
+own keys by a causal call, and the parts merged by their log-sum-exps in one kernel
+(``kernels/merge_parts.py``): split-K for prompt chunks, so that the step fills the GPU.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import logging
 import torch
 
 from zipage.attention.backend import AttentionBackend
+from zipage.kernels.merge_parts import merge_parts, merge_parts_torch
 from zipage.kernels.paged_decode import _multiprocessor_count, paged_decode_attention
 from zipage.kernels.paged_prefill import paged_prefill_attention
 from zipage.kernels.store_kv import store_kv
@@ -177,7 +178,7 @@ _DIRECT_LSE_TOKENS_FIRST: dict[tuple, bool] = {}
 
 
 def _lse_rows(lse, q):
-    """The operator's log-sum-exp as [rows, heads] float32, whichever way round this torch
+    """The operator's log-sum-exp as [rows, heads] (a view), whichever way round this torch
     returns it (found once per device, dtype and head size by a call of 3 tokens, 1 head: the
     shape of a real call cannot tell when it has as many rows as heads)."""
     key = (q.device.type, q.dtype, q.shape[-1])
@@ -187,17 +188,18 @@ def _lse_rows(lse, q):
         probe_lse = _flash_op()(probe, probe, probe, cu, cu, 3, 3, 0.0, True, False, scale=1.0,
                                 window_size_left=-1, window_size_right=0)[1]
         _DIRECT_LSE_TOKENS_FIRST[key] = tuple(probe_lse.shape) == (3, 1)
-    return (lse if _DIRECT_LSE_TOKENS_FIRST[key] else lse.transpose(0, 1)).float()
+    return lse if _DIRECT_LSE_TOKENS_FIRST[key] else lse.transpose(0, 1)
 
 
 # Split-K for prompt chunks (see the module's note): pieces of at least this many prefix keys,
 # at most this many pieces, enough for this many flash programs per SM. Flash attention cuts the
 # queries into tiles of FLASH_QUERY_TILE rows, one program per tile and query head. The split
-# costs host time (two calls and a merge of a dozen small operations per layer, about 13 ms a
-# Qwen3-8B step on an H200's host), which a step saves on the device only deep into a prompt:
-# beside 128 decoding streams, chunks of 80-300 queries ran 20-23 ms a step unsplit up to 8K
-# tokens deep and 25 ms split; from 16K deep 34-48 ms unsplit and 26-35 ms split (pieces of at
-# least 1,024 keys then; docs/benchmarks.md). Pieces of 4,096 keys split prefixes from 8K on.
+# costs host time, which a step saves on the device only deep into a prompt: with the merge as a
+# dozen PyTorch operations per layer (about 13 ms a Qwen3-8B step on an H200's host), chunks of
+# 80-300 queries beside 128 decoding streams ran 20-23 ms a step unsplit up to 8K tokens deep
+# and 25 ms split; from 16K deep 34-48 ms unsplit and 26-35 ms split (pieces of at least 1,024
+# keys then; docs/benchmarks.md). The merge is now one kernel; pieces of 4,096 keys split
+# prefixes from 8K on.
 FLASH_PIECE_MIN_KEYS = 4096
 FLASH_MAX_PIECES = 16
 FLASH_PROGRAMS_PER_SM = 2
@@ -240,13 +242,13 @@ def piece_slots(meta, block_size: int, num_tokens: int, pieces: int):
     slots = meta.block_tables.long()[seq, pos // block_size] * block_size + pos % block_size
     starts = torch.arange(pieces, device=device)[:, None] * num_tokens + cu_q[None, :-1]
     cu_rep = torch.cat([starts.flatten(), cu_q.new_full((1,), pieces * num_tokens)]).to(torch.int32)
-    return slots, cu_rep, cu_k, (piece_lens > 0)[:, seq_q]
+    return slots, cu_rep, cu_k, (piece_lens > 0)[:, seq_q].to(torch.uint8)
 
 
 def _attend_pieces(q, k_cache, v_cache, meta, scale, pieces, k_scale, v_scale):
     """Chunks behind a cached prefix, split-K (see the module's note); None where the operator
     refused a call."""
-    tokens, heads, head_dim = q.shape
+    tokens = q.shape[0]
     if meta.piece_slots is None or meta.piece_slots[0] != pieces:
         meta.piece_slots = (pieces, piece_slots(meta, k_cache.shape[1], tokens, pieces))
     slots, cu_rep, cu_k, nonempty = meta.piece_slots[1]
@@ -259,14 +261,8 @@ def _attend_pieces(q, k_cache, v_cache, meta, scale, pieces, k_scale, v_scale):
                                       meta.max_seqlen_q, meta.max_seqlen_q, scale)
     if not own:
         return None
-    # softmax over every part = the parts weighted by their shares of the exponentials' sum; an
-    # empty piece (a prefix shorter than the pieces) weighs nothing, whatever its rows hold.
-    lse = torch.cat([_lse_rows(over_prefix[1], q).view(pieces, tokens, heads), _lse_rows(own[1], q)[None]])
-    lse[:-1].masked_fill_(~nonempty[..., None], float("-inf"))
-    weights = torch.softmax(lse, dim=0)[..., None]  # [pieces + 1, tokens, heads, 1]
-    parts = torch.cat([over_prefix[0].view(pieces, tokens, heads, head_dim), own[0][None]])
-    parts = torch.where(weights > 0, parts.float(), 0.0)
-    return (parts * weights).sum(0).to(q.dtype)
+    merge = merge_parts if q.is_cuda else merge_parts_torch
+    return merge(over_prefix[0], _lse_rows(over_prefix[1], q), own[0], _lse_rows(own[1], q), nonempty)
 
 
 def _attend_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
