@@ -201,7 +201,8 @@ def test_fp8_experts_are_quantized_per_row_and_sharded_with_their_scales(monkeyp
     whole = _moe_layer(0, 1, monkeypatch, tensors)
     assert whole.is_fp8 and whole.w13.dtype == whole.w2.dtype == quant.FP8
     q, s = quant.quantize_rows(tensors[(2, "up_proj")])
-    assert torch.equal(whole.w13[2, 16:].view(torch.uint8), q.view(torch.uint8)) and torch.equal(whole.w13_scale[2, 16:], s)
+    assert torch.equal(whole.w13[2, 16:].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(whole.w13_scale[2, 16:], s)
     ranks = [_moe_layer(r, 2, monkeypatch, tensors) for r in range(2)]
     for r, layer in enumerate(ranks):
         rows = slice(8 * r, 8 * r + 8)
@@ -322,7 +323,8 @@ def test_moe_block_fp8_checkpoint_loads_its_experts(checkpoint_dir, tmp_path):
         assert layer.mlp.is_fp8
         name = f"model.layers.{i}.mlp.experts.1.down_proj.weight"
         q, s = quant.quantize_rows(quant.dequantize_blocks(stored[name], stored[name + "_scale_inv"], (128, 128)))
-        assert torch.equal(layer.mlp.w2[1].view(torch.uint8), q.view(torch.uint8)) and torch.equal(layer.mlp.w2_scale[1], s)
+        assert torch.equal(layer.mlp.w2[1].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(layer.mlp.w2_scale[1], s)
         assert layer.mlp.gate.weight.dtype == torch.float32  # the router: dequantized, never fp8
 
 

@@ -68,7 +68,8 @@ def run_moe_bench(args: argparse.Namespace) -> int:
     if args.quantization == "fp8":
         w13, scales["w13_scale"] = _quantized(w13)
         w2, scales["w2_scale"] = _quantized(w2)
-    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size() + sum(s[0].numel() * 4 for s in scales.values())
+    scale_bytes = sum(s[0].numel() * s.element_size() for s in scales.values())
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size() + scale_bytes
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):
         x = torch.randn(batch, hidden, device=dev, dtype=dtype)
