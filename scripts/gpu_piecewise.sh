@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Mixed steps on one GPU (docs/benchmarks.md, "Long prompts among decoding streams"), in one job of
-# about 9.5 minutes:
+# about 8 minutes:
 #   tests:  the CUDA tests of the pieces and of prompt chunks' flash attention (the operator called
-#           directly, and through the varlen wrapper);
+#           directly, split-K for deep chunks, and through the varlen wrapper);
 #   chunks: one 32K-token prompt's mixed steps beside 128 decoding streams, timed one by one, with
-#           where the device time goes (zipage bench chunks --profile), pieces on (the default);
-#   serve:  the long-prompt latency benchmark at chunks of 512 tokens, at chunks costing 1,024 tokens
-#           by attention, and at chunks of 512 with Zipage (budget 2,048, prompts compressed between
-#           their chunks, so a chunk attends to at most the budget plus itself); pieces on (the default).
-# Usage: [RESULTS=dir] [RUNS="512 1024:model 512z"] [SPAN=model|N] bash scripts/gpu_piecewise.sh [tests|chunks|serve|all]
-#        (default all). RUNS lists the serve runs, each CHUNK[:SPAN][z]: chunks of CHUNK tokens, costed
-#        by attention over SPAN keys (--prefill-attention-span), z for Zipage as above. SPAN is the
-#        chunks run's --prefill-attention-span (default 0: off).
+#           where the device time goes (zipage bench chunks --profile), chunks costed by attention
+#           over SPAN keys; pieces on (the default);
+#   serve:  the long-prompt latency benchmark, one run per entry of RUNS; pieces on (the default).
+# Usage: [RESULTS=dir] [RUNS="512 512:8192 512z"] [SPAN=8192] bash scripts/gpu_piecewise.sh [tests|chunks|serve|all]
+#        (default all). RUNS lists the serve runs, each CHUNK[:SPAN][z]: chunks of CHUNK tokens
+#        (--max-num-batched-tokens), costed by attention over SPAN keys (--prefill-attention-span,
+#        a number or "model"), z for Zipage (budget 2,048, prompts compressed between their chunks,
+#        so a chunk attends to at most the budget plus itself). SPAN is the chunks run's
+#        --prefill-attention-span (0: plain chunks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
@@ -30,11 +31,11 @@ fi
 if [[ $what == chunks || $what == all ]]; then
   stamp "one 32K-token prompt in steps of 512 tokens beside 128 streams"
   timeout 120 python3 -m zipage.cli bench chunks --shape qwen3-8b --streams 128 --prompt-len 32768 \
-    --max-num-batched-tokens 512 --prefill-attention-span "${SPAN:-0}" --profile --out "$RESULTS/chunks" 2>&1 | grep -v "Warning\|warn" \
+    --max-num-batched-tokens 512 --prefill-attention-span "${SPAN:-8192}" --profile --out "$RESULTS/chunks" 2>&1 | grep -v "Warning\|warn" \
     | tail -30 | tee "$RESULTS/chunks.log"
 fi
 if [[ $what == serve || $what == all ]]; then
-  for run in ${RUNS:-512 1024:model 512z}; do
+  for run in ${RUNS:-512 512:8192 512z}; do
     spec=${run%z}; chunk=${spec%%:*}; extra=()
     [[ $spec == *:* ]] && extra=(--prefill-attention-span "${spec#*:}")
     [[ $run == *z ]] && extra+=(--kv-budget-tokens 2048 --prefill-compression always)

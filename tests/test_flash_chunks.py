@@ -24,6 +24,14 @@ from zipage.kernels.paged_prefill import paged_prefill_attention, paged_prefill_
 from tests.conftest import relative_error, require_triton  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 8
+# Where Triton kernels run: the interpreter on CPU tensors, else (TRITON_INTERPRET=0) a GPU.
+KERNEL_DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
+def require_kernel_device():
+    require_triton()
+    if KERNEL_DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET=0 runs Triton kernels on a GPU, and none is visible")
 
 
 def varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
@@ -233,6 +241,8 @@ def test_split_k_chunk_attention_equals_paged_prefill(monkeypatch, fp8, pieces, 
     if fp8 and FP8_DTYPE is None:
         pytest.skip("this torch has no float8")
     if kernel:
+        if KERNEL_DEVICE != "cpu":
+            pytest.skip("the kernel on CPU tensors runs in the interpreter; on a GPU, see the CUDA test")
         require_triton()
         monkeypatch.setattr(tb, "merge_parts_torch", merge_parts)  # CPU tensors: the kernel, interpreted
     calls = []
@@ -271,7 +281,7 @@ def test_merge_parts_kernel_matches_its_twin_and_float64(dtype, pieces, tokens, 
     """Fresh random parts; empty pieces hold NaN (what an operator may leave there) and +inf
     log-sum-exps; the pieces' log-sum-exp as a transposed view of [heads, rows], as the flash
     operator returns it."""
-    require_triton()
+    require_kernel_device()
     g = torch.Generator().manual_seed(pieces * 10 + tokens)
     heads, dim = 3, 16
     out_p = torch.randn(pieces * tokens, heads, dim, generator=g).to(dtype)
@@ -287,7 +297,7 @@ def test_merge_parts_kernel_matches_its_twin_and_float64(dtype, pieces, tokens, 
     ref = _merge_reference(out_p, lse_p, out_c, lse_c, nonempty)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     twin = merge_parts_torch(out_p, lse_p, out_c, lse_c, nonempty)
-    out = merge_parts(out_p, lse_p, out_c, lse_c, nonempty)
+    out = merge_parts(*(t.to(KERNEL_DEVICE) for t in (out_p, lse_p, out_c, lse_c, nonempty))).cpu()
     assert out.dtype == twin.dtype == dtype and torch.isfinite(out).all()
     assert relative_error(twin, ref) < tolerance and relative_error(out, ref) < tolerance
 
