@@ -340,7 +340,7 @@ def test_piece_slots_list_pieces_by_piece_then_the_chunks():
 
 
 def test_prefix_pieces_fill_the_gpu_only_where_the_chunks_do_not(monkeypatch):
-    monkeypatch.setattr(tb, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(tb, "multiprocessor_count", lambda device: 132)
 
     def meta(max_q, max_k, batch=1):
         return AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0), context_lens=torch.zeros(batch),

@@ -41,8 +41,9 @@ import logging
 import torch
 
 from zipage.attention.backend import AttentionBackend
+from zipage.kernels.common import multiprocessor_count
 from zipage.kernels.merge_parts import merge_parts, merge_parts_torch
-from zipage.kernels.paged_decode import _multiprocessor_count, paged_decode_attention
+from zipage.kernels.paged_decode import paged_decode_attention
 from zipage.kernels.paged_prefill import paged_prefill_attention
 from zipage.kernels.store_kv import store_kv
 
@@ -168,12 +169,6 @@ def _flash_call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
         return None
 
 
-def _flash_directly(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    """Causal flash attention through torch's operator itself, or None where it cannot run."""
-    result = _flash_call(q, k, v, cu_q, cu_k, max_q, max_k, scale)
-    return None if result is None else result[0]
-
-
 _DIRECT_LSE_TOKENS_FIRST: dict[tuple, bool] = {}
 
 
@@ -210,7 +205,7 @@ def prefix_pieces(meta, heads: int, device: torch.device) -> int:
     """Into how many pieces the prefixes of a step's chunks are split: 1 (no split) unless the
     step's chunks alone make too few flash programs to fill the GPU, from host-known sizes only."""
     programs = -(-meta.max_seqlen_q // FLASH_QUERY_TILE) * meta.context_lens.shape[0] * heads
-    wanted = FLASH_PROGRAMS_PER_SM * _multiprocessor_count(device) // max(programs, 1)
+    wanted = FLASH_PROGRAMS_PER_SM * multiprocessor_count(device) // max(programs, 1)
     longest_prefix = meta.max_seqlen_k - 1
     return max(1, min(FLASH_MAX_PIECES, wanted, longest_prefix // FLASH_PIECE_MIN_KEYS))
 
@@ -268,9 +263,9 @@ def _attend_pieces(q, k_cache, v_cache, meta, scale, pieces, k_scale, v_scale):
 def _attend_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     """Causal varlen flash attention; with more keys than queries the diagonal is aligned at
     the end (query i of a sequence of n queries over c keys sees keys 0..c - n + i)."""
-    out = _flash_directly(q, k, v, cu_q, cu_k, max_q, max_k, scale)
-    if out is not None:
-        return out
+    direct = _flash_call(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+    if direct is not None:
+        return direct[0]
     kwargs = {}
     if "scale" in _VARLEN_PARAMS:
         kwargs["scale"] = scale

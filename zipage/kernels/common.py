@@ -7,6 +7,8 @@ listed in the kernel's ``do_not_specialize``: otherwise a server meets a new com
 and then and stalls for a compile (a second or more) in the middle of serving.
 """
 
+import functools
+
 import torch
 
 try:
@@ -51,6 +53,16 @@ def quantize_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_fp8_torch(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q`` (float8 rows) times their ``scale`` (the shape of q without its last dimension)."""
     return (q.to(torch.float32) * scale[..., None].float()).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device: torch.device) -> int:
+    """SMs of a CUDA device, for sizing grids; 1 elsewhere (the Triton CPU interpreter runs
+    programs one at a time)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fast_fp8_widening(dtype: torch.dtype, device: torch.device) -> bool:

@@ -22,11 +22,10 @@ b, H] (one per token and KV head): logits are multiplied by the key's scale, and
 redundancy's cosine similarities use the dequantized norms.
 """
 
-import functools
 
 import torch
 
-from zipage.kernels.common import dot_precision, is_fp8
+from zipage.kernels.common import dot_precision, is_fp8, multiprocessor_count
 
 try:
     import triton
@@ -438,13 +437,6 @@ if triton is not None:
         tl.store(out_ptr + out_offsets, tl.where(col_valid, col_sums, 0.0), mask=out_mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the Triton CPU interpreter runs programs one at a time
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _next_power_of_2(x: int) -> int:
     return 1 << max(int(x) - 1, 0).bit_length()
 
@@ -543,7 +535,7 @@ def paged_attention_scores(
     max_tiles = triton.cdiv(n_max, block_n)
     layer_heads = num_layers * num_kv_heads
     if num_splits is None:
-        target = SCORE_PROGRAMS_PER_SM * _multiprocessor_count(k_cache.device)
+        target = SCORE_PROGRAMS_PER_SM * multiprocessor_count(k_cache.device)
         num_splits = target // (num_requests * layer_heads * num_chunks)
     num_splits = max(1, min(num_splits, max_tiles, SCORE_MAX_SPLITS))
 

@@ -10,12 +10,12 @@ which keeps the launch CUDA-graph safe), and one that needs a single split
 writes its output directly, with nothing to merge.
 """
 
-import functools
 import math
 
 import torch
 
-from zipage.kernels.common import dot_precision, fast_fp8_widening, is_fp8, load_kv_scales, widen_fp8
+from zipage.kernels.common import (dot_precision, fast_fp8_widening, is_fp8, load_kv_scales, multiprocessor_count,
+                                   widen_fp8)
 
 try:
     import triton
@@ -227,20 +227,13 @@ def decode_tile(head_dim: int, cache_dtype: torch.dtype) -> tuple[int, int, int]
     return DECODE_TILE_CONFIG[min(max(head_dim * cache_dtype.itemsize, 128), 512)]
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the Triton CPU interpreter runs programs one at a time
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _choose_num_splits(batch, num_kv_heads, max_tiles, min_split_tiles, device):
     """Splits per sequence from static shapes only (CUDA-graph safe).
 
     Up to DECODE_PROGRAMS_PER_SM programs per SM, and no more splits than
     the longest possible context fills with min_split_tiles tiles each.
     """
-    target_programs = DECODE_PROGRAMS_PER_SM * _multiprocessor_count(device)
+    target_programs = DECODE_PROGRAMS_PER_SM * multiprocessor_count(device)
     splits = target_programs // max(batch * num_kv_heads, 1)
     return max(1, min(splits, triton.cdiv(max_tiles, min_split_tiles), DECODE_MAX_SPLITS))
 
@@ -291,7 +284,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     block_n, num_warps, num_stages = tile or decode_tile(head_dim, k_cache.dtype)
     max_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)
     if min_split_tokens is None:
-        fill = DECODE_FILL_PROGRAMS_PER_SM * _multiprocessor_count(q.device)
+        fill = DECODE_FILL_PROGRAMS_PER_SM * multiprocessor_count(q.device)
         min_split_tokens = max(1, DECODE_MIN_SPLIT_TOKENS * min(batch * num_kv_heads, fill) // fill)
     assert min_split_tokens >= 1, f"min_split_tokens must be >= 1, got {min_split_tokens}"
     min_split_tiles = triton.cdiv(min_split_tokens, block_n)

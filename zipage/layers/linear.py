@@ -70,9 +70,7 @@ class Linear(nn.Module):
         if not self.is_fp8 or tuple(loaded.shape) != tuple(target.shape):
             copy_checked(target, loaded, what)  # (raises on a shape mismatch)
             return
-        q, s = quant.quantize_rows(loaded.to(target.device), scale)
-        target.copy_(q)
-        self.weight_scale.narrow(0, row, target.shape[0]).copy_(s)
+        quant.store_rows(target, self.weight_scale.narrow(0, row, target.shape[0]), loaded, scale)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard=None) -> None:
         if param is self.weight:

@@ -107,9 +107,7 @@ class SparseMoE(nn.Module):
         if not self.is_fp8 or tuple(loaded.shape) != tuple(target.shape):
             copy_checked(target, loaded, what)  # (raises on a shape mismatch)
             return
-        q, s = quant.quantize_rows(loaded.to(target.device), scale)
-        target.copy_(q)
-        scales[expert].narrow(0, row, target.shape[0]).copy_(s)
+        quant.store_rows(target, scales[expert].narrow(0, row, target.shape[0]), loaded, scale)
 
     def _store_weight(self, target: torch.Tensor, row: int, loaded: torch.Tensor) -> None:
         """All experts of ``w13`` or ``w2`` at once from ``loaded`` [E, rows, columns] (random
@@ -117,9 +115,7 @@ class SparseMoE(nn.Module):
         scales = self.w13_scale if target.data_ptr() == self.w13.data_ptr() else self.w2_scale
         if tuple(loaded.shape) != tuple(target.shape) or row != 0:
             raise ValueError(f"random experts of shape {tuple(loaded.shape)} do not fit {tuple(target.shape)}")
-        q, s = quant.quantize_rows(loaded.to(target.device).reshape(-1, loaded.shape[-1]))
-        target.copy_(q.view(target.shape))
-        scales.copy_(s.view(scales.shape))
+        quant.store_rows(target.view(-1, target.shape[-1]), scales.view(-1), loaded.reshape(-1, loaded.shape[-1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from zipage.kernels.fused_moe import fused_moe, fused_moe_torch

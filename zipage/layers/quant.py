@@ -83,6 +83,15 @@ def quantize_rows(w: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[t
     return q, scale
 
 
+def store_rows(target: torch.Tensor, target_scales: torch.Tensor, loaded: torch.Tensor,
+               scale: torch.Tensor | None = None) -> None:
+    """Quantize ``loaded`` (2-D) per row into the float8 ``target`` of its shape, its scales into
+    ``target_scales``; ``scale`` as for ``quantize_rows``."""
+    q, s = quantize_rows(loaded.to(target.device), scale)
+    target.copy_(q)
+    target_scales.copy_(s)
+
+
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (q.to(torch.float32) * scale.float()[:, None]).to(dtype)
 
