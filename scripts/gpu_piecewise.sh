@@ -43,7 +43,7 @@ if [[ $what == serve || $what == all ]]; then
     timeout 130 python3 -m zipage.cli bench serve --shape qwen3-8b --background 128 --input-len 128 \
       --output-len 3000 --long-prompts 8192,16384,32768 --long-repeats 2 --long-start 4 --long-rate 0.5 \
       --long-output-len 16 --max-model-len 33280 --max-num-batched-tokens "$chunk" "${extra[@]}" \
-      --out "$RESULTS/serve-c${run/:/-s}" 2>&1 | grep -v "^INFO\|Warning\|warn" | tail -10 \
+      --out "$RESULTS/serve-c${run/:/-s}" 2>&1 | grep -v "^INFO\|Warning\|warn" | tail -40 \
       | tee "$RESULTS/serve-c${run/:/-s}.log"
   done
 fi

@@ -210,6 +210,37 @@ def test_long_prompts_among_decoding_streams(tmp_path, chunked):
     assert result["itl_all_s"]["count"] == 4 * 119  # every stream's tokens after its first
     assert result["itl_window_s"]["p50"] <= result["itl_window_s"]["p99"] <= result["itl_window_s"]["max"]
     assert result["settings"]["server"]["engine"]["enable_chunked_prefill"] is chunked
+    # The engine's own steps in the window, on the clients' clock: prompt tokens were computed in it.
+    steps = result["engine_steps"]
+    assert steps["steps"] == len(steps["all"]) > 0
+    assert all(first <= row["at_s"] <= last for row in steps["all"])
+    assert sum(row["tokens"] - row["decodes"] for row in steps["all"]) > 0
+    assert sum(k["steps"] for k in steps["by_kind"].values()) == steps["steps"]
+    assert any(kind.startswith("chunk") for kind in steps["by_kind"])
+    assert max(r["interval_ms"] for r in steps["longest"]) == max(r["interval_ms"] for r in steps["all"])
+
+
+def test_step_report_attributes_each_interval_to_what_made_it():
+    from zipage.bench.interference import step_report
+    from zipage.engine.llm_engine import StepStats
+
+    def step(end, prefill=False, decodes=4, compression_s=0.0):
+        return StepStats(prefill, decodes + 1, decodes + (60 if prefill else 0), 0, num_decodes=decodes,
+                         compression_s=compression_s, host_s=0.002, start=end - 0.005, end=end)
+
+    t0 = 100.0
+    steps = [step(100.99), step(101.00), step(101.01, prefill=True), step(101.05),
+             step(101.06, compression_s=0.02), step(101.09), step(103.0)]
+    async_report = step_report(steps, t0, (1.0, 1.1), 0.01, async_scheduling=True)
+    # The interval ending at 1.05 s collected the mixed step launched at 1.01 s (40 ms: over 3x 10 ms).
+    kinds = ["decode", "chunk launched", "chunk collected", "compression", "decode"]
+    assert [r["kind"] for r in async_report["all"]] == kinds
+    assert async_report["all"][2]["interval_ms"] == pytest.approx(40.0)
+    assert async_report["by_kind"]["chunk collected"]["over_3x_step"] == 1
+    assert async_report["by_kind"]["decode"]["steps"] == 2 and async_report["steps"] == 5
+    sync_report = step_report(steps, t0, (1.0, 1.1), 0.01, async_scheduling=False)
+    assert [r["kind"] for r in sync_report["all"]] == ["decode", "chunk", "decode", "compression", "decode"]
+    assert step_report(steps, t0, (5.0, 6.0), 0.01, True) == {"steps": 0, "by_kind": {}, "longest": [], "all": []}
 
 
 def test_window_gaps_count_the_chunks_that_arrived_in_the_window():

@@ -94,3 +94,27 @@ def test_a_batch_that_needs_two_passes_runs_eagerly_and_matches():
             compressor.run(batch)
         results.append((kv, scores))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("history,pooling", [(None, None), (0.9, 3)])
+def test_warm_up_runs_every_eager_variant_and_changes_nothing(history, pooling):
+    """The start-up warm-up of eager batches (prompts compressed between chunks): each width and
+    variant runs as an inactive request, which leaves the caches as they were."""
+    from zipage.compression.executor import eager_widths
+
+    config = CompressionConfig(max_blocks_per_seq=N, window=WINDOW, layer_group=2, global_score_decay=history,
+                               pooling_width=pooling)
+    kv, scores, queries = _caches(0)
+    before = kv.clone(), scores.clone()
+    compressor = Compressor(config, kv, scores, queries, DIM ** -0.5, BS)
+    calls = []
+    compress = compressor.compress
+    compressor.compress = lambda b: calls.append((b.n_max, b.use_history, b.any_pool, b.single_pass)) or compress(b)
+    widths = eager_widths(config, BS, chunk_tokens=3 * BS, max_blocks=BLOCKS, with_graphs=True)
+    assert widths == [N + 1, N + 2]  # 16 tokens (pads to 16), 20 (pads to 32); 24 pads to 32 as well
+    compressor.warm_up(widths)
+    variants = 2 * (2 if history else 1) * (2 if pooling else 1)
+    assert len(calls) == len(widths) * variants == len(set(calls))
+    assert torch.equal(kv, before[0]) and torch.equal(scores, before[1])
+    # Without graphs the steady-state width is eager too; the table's width bounds the rest.
+    assert eager_widths(config, BS, chunk_tokens=64 * BS, max_blocks=N + 2, with_graphs=False) == [N, N + 2]  # 12 and 16 tokens pad alike

@@ -302,6 +302,30 @@ def test_merge_parts_kernel_matches_its_twin_and_float64(dtype, pieces, tokens, 
     assert relative_error(twin, ref) < tolerance and relative_error(out, ref) < tolerance
 
 
+def test_cuda_merge_parts_compiles_once_for_every_step():
+    """Steps' chunks differ in tokens, pieces and log-sum-exp strides; a compilation for a new
+    combination would stall every stream mid-serving, so one binary must serve them all."""
+    if KERNEL_DEVICE != "cuda" or not torch.cuda.is_available():
+        pytest.skip("compiled kernels need a GPU (TRITON_INTERPRET=0)")
+    from zipage.kernels import merge_parts as module
+
+    kernel = module._merge_parts_kernel
+    kernel.device_caches.clear()
+    heads, dim = 32, 128
+    for pieces, tokens in [(2, 1), (2, 16), (3, 33), (5, 48), (16, 7), (9, 128)]:
+        for heads_first in (False, True):
+            out_p = torch.randn(pieces * tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
+            out_c = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
+            lse_p = torch.randn(pieces * tokens, heads, device="cuda")
+            lse_c = torch.randn(tokens, heads, device="cuda")
+            if heads_first:
+                lse_p, lse_c = lse_p.t().contiguous().t(), lse_c.t().contiguous().t()
+            nonempty = torch.ones(pieces, tokens, dtype=torch.uint8, device="cuda")
+            merge_parts(out_p, lse_p, out_c, lse_c, nonempty)
+    binaries = sum(len(entry[0]) for entry in kernel.device_caches.values())
+    assert binaries == 1
+
+
 @pytest.mark.parametrize("tokens_first", [False, True])
 def test_split_k_with_as_many_rows_as_heads(monkeypatch, tokens_first):
     """Two one-query chunks in two pieces: 4 rows of 4 heads, whose log-sum-exp's layout its

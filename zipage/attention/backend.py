@@ -33,6 +33,10 @@ class AttentionBackend:
                v_scale=None) -> torch.Tensor:
         raise NotImplementedError
 
+    def warm_up(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Compile now what some steps need only later (e.g. deep into a long prompt), so that no
+        step in the middle of serving stalls on a compilation."""
+
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens: list[int], scale: float) -> torch.Tensor:

@@ -360,6 +360,17 @@ class TritonBackend(AttentionBackend):
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                        meta.context_lens, meta.max_seqlen_q, scale, k_scale=k_scale, v_scale=v_scale)
 
+    def warm_up(self, head_dim, dtype, device):
+        """The split-K merge kernel and the log-sum-exp layout probe, which prompt chunks need only
+        from 8K tokens deep (``prefix_pieces``)."""
+        if not (self.use_flash_prefill and dtype != torch.float32 and torch.device(device).type == "cuda"):
+            return
+        q = torch.zeros(2, 1, head_dim, dtype=dtype, device=device)
+        if _direct_flash_usable(q):
+            _lse_rows(torch.zeros(1, 2, device=device), q)
+        lse = torch.zeros(2, 1, device=device)
+        merge_parts(q.repeat(2, 1, 1), lse.repeat(2, 1), q, lse, torch.ones(2, 2, dtype=torch.uint8, device=device))
+
     def decode(self, q, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None):
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                       k_scale=k_scale, v_scale=v_scale)

@@ -15,13 +15,18 @@ Reported, through the HTTP API of a server started here (or ``--url``):
 - the streams' median ITL before the first long prompt arrives: the median decode step,
   the yardstick of the ``p99 <= 3x`` target;
 - the long prompts' time to first token (TTFT), p50 and p99, and the largest;
-- output tokens per second of the whole run.
+- output tokens per second of the whole run;
+- with the server started here, the engine's steps in the window: each interval between two
+  steps' ends (the gap the streams' tokens see) by the kind of step that made it, and the
+  longest intervals with what their steps held (tokens, decodes, compressions, host time,
+  time waiting for the device), so a tail can be traced to its cause.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections import deque
 
 import numpy as np
 
@@ -88,6 +93,66 @@ def summarize(streams: list[dict], long: list[dict], long_arrivals, duration: fl
     }
 
 
+# steps the engine logs during a run (a step of 128 streams takes about 8 ms on an H200: 10 minutes)
+STEP_LOG_STEPS = 100_000
+LONGEST_STEPS = 12  # intervals listed in the report
+
+
+def interval_kind(step, previous, async_scheduling: bool) -> str:
+    """What made the interval ending with ``step``: a compression launched in it (its synchronous
+    part over a millisecond), else prompt tokens. With asynchronous scheduling a call launches its
+    step, then collects the one before: "chunk launched" (the host launching a step with a prompt
+    chunk, eagerly, while the step before waits to be collected) or "chunk collected" (the device
+    finishing it); without, "chunk". Otherwise "decode"."""
+    if step.compression_s > 1e-3:
+        return "compression"
+    if not async_scheduling:
+        return "chunk" if step.is_prefill else "decode"
+    if step.is_prefill:
+        return "chunk launched"
+    return "chunk collected" if previous is not None and previous.is_prefill else "decode"
+
+
+def step_report(steps: list, t0: float, window: tuple[float, float], median_step: float | None,
+                async_scheduling: bool) -> dict:
+    """The engine's steps whose ends fall in ``window`` (seconds from the clients' start ``t0``,
+    on the same monotonic clock): intervals between consecutive ends by kind, and the longest."""
+    start, end = t0 + window[0], t0 + window[1]
+    rows, previous = [], None
+    for step in steps:
+        if previous is not None and start <= step.end <= end:
+            rows.append({"at_s": step.end - t0, "interval_ms": 1000 * (step.end - previous.end),
+                         "kind": interval_kind(step, previous, async_scheduling),
+                         "tokens": step.num_tokens, "decodes": step.num_decodes,
+                         "previous_tokens": previous.num_tokens, "compressed": step.num_compressed,
+                         "compression_ms": 1000 * step.compression_s, "host_ms": 1000 * step.host_s,
+                         "waited_ms": 1000 * step.waited_s, "call_ms": 1000 * (step.end - step.start),
+                         "preempted": step.num_preempted})
+        previous = step
+    slow = 3 * median_step * 1000 if median_step else None
+    kinds = {}
+    for kind in sorted({r["kind"] for r in rows}):
+        values = np.array([r["interval_ms"] for r in rows if r["kind"] == kind])
+        kinds[kind] = {"steps": int(values.size), "p50_ms": float(np.percentile(values, 50)),
+                       "p99_ms": float(np.percentile(values, 99)), "max_ms": float(values.max()),
+                       "over_3x_step": int((values > slow).sum()) if slow else None}
+    longest = sorted(rows, key=lambda r: -r["interval_ms"])[:LONGEST_STEPS]
+    return {"steps": len(rows), "by_kind": kinds, "longest": sorted(longest, key=lambda r: r["at_s"]),
+            "all": rows}
+
+
+def _print_step_report(report: dict) -> None:
+    print(f"engine steps in the window: {report['steps']}; intervals between their ends, by what made them:")
+    print_table([{"kind": k, **{n: round(v, 2) if isinstance(v, float) else v for n, v in row.items()}}
+                 for k, row in report["by_kind"].items()],
+                ["kind", "steps", "p50_ms", "p99_ms", "max_ms", "over_3x_step"])
+    print("the longest intervals:")
+    columns = ["at_s", "interval_ms", "kind", "tokens", "decodes", "previous_tokens", "compressed",
+               "compression_ms", "host_ms", "waited_ms", "call_ms", "preempted"]
+    print_table([{k: f"{r[k]:.3f}" if k == "at_s" else round(r[k], 1) if isinstance(r[k], float) else r[k]
+                  for k in columns} for r in report["longest"]], columns)
+
+
 def run_interference_bench(args: argparse.Namespace) -> int:
     lengths = _lengths(args.long_prompts)
     for name in ("background", "long_repeats", "input_len", "output_len", "long_output_len"):
@@ -103,7 +168,8 @@ def run_interference_bench(args: argparse.Namespace) -> int:
     settings = {k: getattr(args, k) for k in ("background", "input_len", "output_len", "long_prompts",
                                               "long_repeats", "long_start", "long_rate", "long_output_len",
                                               "workload_seed")}
-    with serving_target(args, headers, settings) as (base_url, vocab_size, model, clients, _):
+    with serving_target(args, headers, settings) as (base_url, vocab_size, model, clients, server):
+        engine = getattr(server, "engine", None)
         def body(prompt, max_tokens):
             return dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                         stream=True, stream_options={"continuous_usage_stats": True})
@@ -118,9 +184,15 @@ def run_interference_bench(args: argparse.Namespace) -> int:
         print(f"{len(streams)} streams of {args.input_len}+{args.output_len} tokens; long prompts of "
               f"{', '.join(map(str, long_lengths))} tokens from {args.long_start:g} s at {args.long_rate:g}/s",
               flush=True)
-        results, duration, _ = clients.submit(send_all_sync, base_url, streams + long, arrivals, args.timeout,
-                                              headers).result()
+        if engine is not None:
+            engine.step_log = deque(maxlen=STEP_LOG_STEPS)
+        results, duration, _, t0 = clients.submit(send_all_sync, base_url, streams + long, arrivals,
+                                                  args.timeout, headers).result()
+        steps = list(engine.step_log) if engine is not None else None
     report = summarize(results[:len(streams)], results[len(streams):], long_at, duration)
+    if steps is not None:
+        report["engine_steps"] = step_report(steps, t0, report["window_s"], report["median_decode_step_s"],
+                                             engine.async_scheduling)
     w, t = report["itl_window_s"], report["ttft_long_s"]
     print_table([{"median step ms": _ms_value(report["median_decode_step_s"]), "ITL p50 ms": _ms_value(w["p50"]),
                   "ITL p99 ms": _ms_value(w["p99"]), "ITL p99.9 ms": _ms_value(w["p999"]),
@@ -131,6 +203,8 @@ def run_interference_bench(args: argparse.Namespace) -> int:
                  "TTFT p50 ms", "TTFT p99 ms", "tok/s", "failed"])
     print(f"streams' ITL over the whole run: p50 {_ms(report['itl_all_s']['p50'])}, "
           f"p99 {_ms(report['itl_all_s']['p99'])}, max {_ms(report['itl_all_s']['max'])}")
+    if steps is not None:
+        _print_step_report(report["engine_steps"])
     result = {"benchmark": "serving-interference", "model": model, "settings": settings, **report}
     if args.out:
         write_json(os.path.join(args.out, "serving.json"), result)

@@ -190,7 +190,9 @@ async def sse_chunks(response):
 
 async def send_all(base_url: str, bodies: list[dict], arrivals, timeout: float, headers: dict) -> tuple:
     """Send ``bodies`` (streamed completions) at ``arrivals`` (seconds from the start); (each request's
-    result, seconds from the first send to the last answer, client CPU seconds)."""
+    result, seconds from the first send to the last answer, client CPU seconds, the start's
+    ``time.perf_counter()``: a system-wide monotonic clock, so a server's own times can be placed
+    on the clients')."""
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -199,7 +201,7 @@ async def send_all(base_url: str, bodies: list[dict], arrivals, timeout: float, 
         t0, cpu = time.perf_counter(), time.process_time()
         results = await asyncio.gather(*(_one_request(client, url, body, float(arrival), t0, timeout)
                                          for body, arrival in zip(bodies, arrivals)))
-        return results, time.perf_counter() - t0, time.process_time() - cpu
+        return results, time.perf_counter() - t0, time.process_time() - cpu, t0
 
 
 def send_all_sync(base_url: str, bodies: list[dict], arrivals, timeout: float, headers: dict) -> tuple:
@@ -214,7 +216,7 @@ def itl_values(results: list[dict]) -> np.ndarray:
 
 async def run_rate(base_url: str, bodies: list[dict], arrivals, timeout: float, headers: dict) -> dict:
     """Send ``bodies`` (streamed completions) at ``arrivals`` (seconds from the start); their numbers."""
-    results, duration, cpu = await send_all(base_url, bodies, arrivals, timeout, headers)
+    results, duration, cpu, _ = await send_all(base_url, bodies, arrivals, timeout, headers)
     n = len(bodies)
     done = [r for r in results if r["error"] is None]
     output_tokens = sum(r["output_tokens"] for r in done)

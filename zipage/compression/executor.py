@@ -49,6 +49,23 @@ class BatchInputs:
                    any_pool=any_pool, single_pass=single_pass)
 
 
+def eager_widths(config: CompressionConfig, block_size: int, chunk_tokens: int, max_blocks: int,
+                 with_graphs: bool) -> list[int]:
+    """Source widths (blocks) that stand for the eager compression batches of a run: a request
+    holding its budget plus up to a chunk (prompts compressed between chunks), one width per
+    class of the kernels' padded length (the next power of two of its tokens); with no graphs,
+    the steady-state width too."""
+    first = config.max_blocks_per_seq + (0 if not with_graphs else 1)
+    last = min(config.max_blocks_per_seq + -(-chunk_tokens // block_size), max_blocks)
+    widths, classes = [], set()
+    for width in range(first, last + 1):
+        padded = 1 << (width * block_size - 1).bit_length()
+        if padded not in classes:
+            classes.add(padded)
+            widths.append(width)
+    return widths
+
+
 def compacts_in_place(tasks: list[CompressionTask]) -> bool:
     """Whether every target block is its request's own source block at the same index, or a block
     that no request of the batch reads: then the compaction may run in a single pass (a synchronous
@@ -99,6 +116,28 @@ class Compressor:
         if stage is not None:
             self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + now - self._mark_time
         self._mark_time = now
+
+    @torch.inference_mode()
+    def warm_up(self, widths: list[int]) -> None:
+        """Compile now the kernels of eagerly run batches (those that no graph fits, e.g. a prompt
+        compressed between its chunks, which holds the budget plus a chunk): one batch per source
+        width in ``widths`` and per variant an eager batch can take (history and pooling each on or
+        off where configured, compaction in one pass or two), each an inactive request of an empty
+        cache that compacts nothing. Otherwise the first such batch compiles them mid-serving,
+        stalling every stream for about half a second."""
+        cfg, bs, device = self.config, self.block_size, self.kv_cache.device
+        targets = cfg.max_blocks_per_seq - 1
+        for width in widths:
+            for use_history in sorted({False, cfg.global_score_decay is not None}):
+                for any_pool in sorted({False, cfg.pooling_width is not None}):
+                    for single_pass in (True, False):
+                        tables = torch.zeros(1, width + targets, dtype=torch.int32, device=device)
+                        numbers = torch.zeros(1, 5 + cfg.window, dtype=torch.int64, device=device)
+                        numbers[0, 0], numbers[0, 2] = width * bs, int(any_pool)
+                        self.compress(BatchInputs.from_arrays(tables, numbers, width, bs, targets * bs,
+                                                              use_history, any_pool, single_pass))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def batches(self, tasks: list[CompressionTask]) -> list[list[CompressionTask]]:
         """Split tasks, in order, so that no batch reads more than ``max_blocks_per_compression``

@@ -51,6 +51,9 @@ class StepStats:
     num_decodes: int = 0  # requests that decode in the step (the others compute prompt chunks)
     compression_s: float = 0.0  # wall time of this step's (synchronous) compression
     host_s: float = 0.0  # CPU time of the step outside the model and sampler (scheduling, inputs, outputs)
+    waited_s: float = 0.0  # time the call waited for the device's tokens (of this step or the one before)
+    start: float = 0.0  # ``time.perf_counter()`` when the call began and when it ended
+    end: float = 0.0
 
 
 @dataclass
@@ -120,6 +123,8 @@ class LLMEngine:
         self._waited_s = 0.0
         self._outbox: list[RequestOutput] = []  # outputs made outside a step's own flow (failures)
         self.stats = EngineStats()
+        # A deque here (set by whoever wants it, e.g. a benchmark) receives every step's StepStats.
+        self.step_log: deque | None = None
         self._start_time = time.perf_counter()
         self.eos_token_ids = self._eos_token_ids()
         self._seed_rng = random.Random(config.seed)
@@ -332,6 +337,7 @@ class LLMEngine:
             self._collect_launched()
         self._forget_released()
         stats.host_s = host_s + self.runner.last_prepare_s
+        stats.waited_s, stats.start, stats.end = self._waited_s, start, time.perf_counter()
         self._record(stats)
         return self._take_outputs(), stats
 
@@ -602,6 +608,8 @@ class LLMEngine:
         es.peak_running = max(es.peak_running, step.num_running)
         es.occupancy.append((time.perf_counter() - self._start_time, bm.num_blocks - bm.num_free_blocks,
                              step.num_running))
+        if self.step_log is not None:
+            self.step_log.append(step)
 
     # -- outputs ------------------------------------------------------------
     def _partial_output(self, seq: Sequence) -> RequestOutput:

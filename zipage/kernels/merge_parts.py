@@ -9,7 +9,10 @@ prefix shorter than the pieces) weighs nothing, whatever its rows hold; the chun
 part always has a key (each query sees itself).
 
 One program per (token, query head) does it all in one launch, where the same in PyTorch is
-a dozen small operations per layer, which a step's host otherwise spends launching.
+a dozen small operations per layer, which a step's host otherwise spends launching. Its sizes
+and strides change with every step's chunk, so none of them is specialized and the pieces are
+padded to at least ``MIN_PIECES_PAD``: one compilation serves every step (a compilation in the
+middle of serving stalls every stream for a tenth of a second or more).
 """
 
 import torch
@@ -21,9 +24,12 @@ except ImportError:  # no Triton for this platform: only the PyTorch twin is usa
     triton = None
 
 
+MIN_PIECES_PAD = 16
+
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["tokens", "pieces", "lse_p_stride_row", "lse_p_stride_head",
+                                   "lse_c_stride_row", "lse_c_stride_head"])
     def _merge_parts_kernel(out_p_ptr, lse_p_ptr, out_c_ptr, lse_c_ptr, nonempty_ptr, out_ptr,
                             tokens, pieces,
                             out_p_stride_row, out_p_stride_head, lse_p_stride_row, lse_p_stride_head,
@@ -77,7 +83,7 @@ def merge_parts(out_p, lse_p, out_c, lse_c, nonempty):
         out_p.stride(0), out_p.stride(1), lse_p.stride(0), lse_p.stride(1),
         out_c.stride(0), out_c.stride(1), lse_c.stride(0), lse_c.stride(1),
         out.stride(0), out.stride(1),
-        PIECES_PAD=triton.next_power_of_2(max(pieces, 2)), HEAD_DIM=head_dim)
+        PIECES_PAD=triton.next_power_of_2(max(pieces, MIN_PIECES_PAD)), HEAD_DIM=head_dim)
     return out
 
 

@@ -34,7 +34,7 @@ from zipage.runner.inputs import InputBuilder, ModelInputs, StepShape, _on_devic
 from zipage.runner.penalties import PenaltyState
 from zipage.runner.piecewise_graph import PiecewiseGraphs
 from zipage.runner.thinking import ThinkingBudgets
-from zipage.compression.executor import Compressor
+from zipage.compression.executor import Compressor, eager_widths
 from zipage.compression.graphs import CompressionGraphs
 from zipage.runner.trace import GpuTrace
 from zipage.runner.kv_cache import (allocate_kv_cache, allocate_kv_scales, allocate_query_cache, allocate_score_cache,
@@ -194,6 +194,7 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, self.device)
         for layer in self.model.attention_layers():
             layer.backend = self.backend
+        self.backend.warm_up(self.spec.head_dim, self.dtype, self.device)
         # Only rank 0 samples. Its penalty rows exist before the cache is sized (below): the
         # profile and the free memory both count them, so the KV cache gets what they leave.
         self.penalties = PenaltyState(sched.max_num_seqs, self.vocab_size, self.device) if rank == 0 else None
@@ -239,6 +240,9 @@ class ModelRunner:
                 per_batch = compression.max_blocks_per_compression // compression.max_blocks_per_seq
                 self.compressor.graphs = CompressionGraphs(self.compressor, min(self.num_query_slots, per_batch))
                 self.compressor.graphs.capture()
+            if self.device.type == "cuda" and not config.enforce_eager:
+                self.compressor.warm_up(eager_widths(compression, self.block_size, sched.max_num_batched_tokens,
+                                                     self.max_table_blocks, self.compressor.graphs is not None))
         self.last_prepare_s = 0.0  # host time of the last step's input preparation
         self._prompt_parts: dict[Sequence, list[SampledLogprobs]] = {}  # prompt logprobs of earlier chunks
         self._bitmask: torch.Tensor | None = None  # host rows of the constrained requests' token bitmasks
