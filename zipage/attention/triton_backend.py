@@ -193,8 +193,8 @@ def _lse_rows(lse, q):
 # dozen PyTorch operations per layer (about 13 ms a Qwen3-8B step on an H200's host), chunks of
 # 80-300 queries beside 128 decoding streams ran 20-23 ms a step unsplit up to 8K tokens deep
 # and 25 ms split; from 16K deep 34-48 ms unsplit and 26-35 ms split (pieces of at least 1,024
-# keys then; docs/benchmarks.md). The merge is now one kernel; pieces of 4,096 keys split
-# prefixes from 8K on.
+# keys then). With the merge as one kernel and pieces of at least 4,096 keys (prefixes from 8K
+# on), every depth ran 20-26 ms a step (docs/benchmarks.md, "Long prompts among decoding streams").
 FLASH_PIECE_MIN_KEYS = 4096
 FLASH_MAX_PIECES = 16
 FLASH_PROGRAMS_PER_SM = 2
