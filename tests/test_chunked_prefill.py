@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
+import torch
 
 from tests.conftest import assert_pool_full, make_llm
 from zipage import SamplingParams
@@ -260,3 +262,66 @@ def test_chunks_priced_by_the_models_attention_span_match_transformers(checkpoin
         assert done[request_id].outputs[0].token_ids == hf_greedy(model_dir, prompt, NEW_TOKENS)
     assert sum(sizes) == 2 * span and sizes[0] > 2 * sizes[-2]
     assert_pool_full(llm)
+
+
+class _Table:
+    def __init__(self, blocks):
+        self.blocks = np.asarray(blocks, dtype=np.int32)
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def array(self):
+        return self.blocks
+
+
+def test_the_numbers_of_a_mixed_step_follow_their_definitions():
+    """A step's host numbers, the decoding rows written at once and the chunks one by one,
+    against what each token's row must hold: its id and position, the cache slot of its cache
+    index (positions may run ahead of cache indices after a compression), the keys it attends to,
+    and the query-cache row of a token in its run's last window; the decoding rows as a decode
+    step of the same requests writes them."""
+    from types import SimpleNamespace
+
+    from zipage.runner.inputs import InputBuilder
+
+    bs, window, slots = 4, 3, 6
+    rng = np.random.default_rng(0)
+
+    def builder():
+        return InputBuilder(torch.device("cpu"), block_size=bs, max_num_seqs=8, max_num_batched_tokens=64,
+                            max_table_blocks=12, window=window, num_query_slots=slots)
+
+    def seq(kv_len, num_tokens, chunk=None, query_slot=None, samples=True):
+        blocks = rng.permutation(100)[:-(-(kv_len + (chunk[1] if chunk else 1)) // bs)]
+        return SimpleNamespace(block_table=_Table(blocks), token_ids=rng.integers(0, 500, num_tokens), chunk=chunk,
+                               num_tokens=num_tokens, kv_len=kv_len, query_slot=query_slot, samples=samples,
+                               num_pending=0)
+
+    decoding = [seq(9, 30, query_slot=2), seq(0, 1), seq(15, 15, query_slot=5), seq(4, 7)]
+    chunks = [seq(8, 40, chunk=(20, 7), query_slot=1, samples=False), seq(0, 5, chunk=(0, 5), query_slot=None)]
+    mixed = builder()
+    shape = mixed.fill_prefill(decoding + chunks)
+    d, n = len(decoding), len(decoding) + 7 + 5
+    assert (shape.num_seqs, shape.num_tokens, shape.num_decodes, shape.num_sampled) == (6, n, d, 5)
+    assert (shape.max_seqlen_q, shape.max_seqlen_k, shape.has_cached_prefix, shape.chunk_keys) == (7, 16, True, 20)
+    assert mixed.cu_seqlens.np[:7].tolist() == [0, 1, 2, 3, 4, 11, 16]
+    assert mixed.logits_rows.np[:5].tolist() == [0, 1, 2, 3, 15]  # the first chunk's prompt goes on: no sample
+    row = 0
+    for i, s in enumerate(decoding + chunks):
+        start, q_len = s.chunk or (s.num_tokens - 1, 1)
+        assert mixed.context_lens.np[i] == s.kv_len + q_len
+        for j in range(q_len):
+            position, index = start + j, s.kv_len + j
+            assert mixed.input_ids.np[row] == s.token_ids[position] and mixed.positions.np[row] == position
+            assert mixed.slot_mapping.np[row] == s.block_table.blocks[index // bs] * bs + index % bs
+            in_window = s.query_slot is not None and position >= start + q_len - window
+            expected = s.query_slot * window + position % window if in_window else slots * window
+            assert mixed.query_slots.np[row] == expected
+            row += 1
+    alone = builder()
+    alone.fill_decode(decoding)
+    for name in ("input_ids", "positions", "slot_mapping", "context_lens", "query_slots"):
+        assert np.array_equal(getattr(alone, name).np[:d], getattr(mixed, name).np[:d]), name
+    with pytest.raises(AssertionError, match="decoding rows come before prompt chunks"):
+        builder().fill_prefill(chunks[:1] + decoding)

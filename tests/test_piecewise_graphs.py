@@ -61,9 +61,10 @@ def test_replayed_pieces_compose_like_the_layers(arch):
     init_dummy_weights(model, seed=1)
     layers, decoder = model.model.layers, model.model
 
-    def attention(q, k, v):  # depends on every head of q, k and v
+    def attention(q, k, v, out=None):  # depends on every head of q, k and v
         group = q.shape[1] // k.shape[1]
-        return torch.tanh(q) + (k * v).repeat_interleave(group, 1).sin()
+        result = torch.tanh(q) + (k * v).repeat_interleave(group, 1).sin()
+        return result if out is None else out.copy_(result)
 
     def reference(ids, positions):
         hidden, residual = decoder.embed_tokens(ids), None
@@ -73,7 +74,7 @@ def test_replayed_pieces_compose_like_the_layers(arch):
         return decoder.norm(hidden, residual)[0]
 
     pieces = PiecewiseGraphs(model, 96, device)
-    pieces.attention = [attention] * len(layers)
+    pieces.attention = [attention] * len(layers)  # written into the pieces' buffer, as the layers do
     with torch.inference_mode():
         pieces.capture()
         assert sorted(pieces.graphs) == [8, 16, 32, 64, 96]

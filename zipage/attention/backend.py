@@ -30,7 +30,8 @@ class AttentionBackend:
         raise NotImplementedError
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *, k_scale=None,
-               v_scale=None) -> torch.Tensor:
+               v_scale=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One query per sequence; written into ``out`` (shaped like ``q``) when given."""
         raise NotImplementedError
 
     def warm_up(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:

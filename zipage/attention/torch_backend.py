@@ -23,9 +23,10 @@ class TorchBackend(AttentionBackend):
                                              meta.context_lens, meta.max_seqlen_q, scale,
                                              k_scale=k_scale, v_scale=v_scale)
 
-    def decode(self, q, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None):
-        return paged_decode_attention_sdpa(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                           k_scale=k_scale, v_scale=v_scale)
+    def decode(self, q, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None, out=None):
+        result = paged_decode_attention_sdpa(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                             k_scale=k_scale, v_scale=v_scale)
+        return result if out is None else out.copy_(result)
 
 
 def paged_decode_attention_sdpa(q, k_cache, v_cache, block_tables, context_lens, scale, *, k_scale=None,

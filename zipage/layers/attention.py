@@ -23,8 +23,10 @@ class Attention(nn.Module):
         self.query_cache: torch.Tensor | None = None  # [slots * window + 1, heads, dim] with compression
         self.backend = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q`` [tokens, heads, dim], ``k``/``v`` [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``q`` [tokens, heads, dim], ``k``/``v`` [tokens, kv_heads, dim] -> [tokens, heads, dim],
+        written into ``out`` when given (a step's static buffer: no copy of the result)."""
         meta = get_attention_metadata()
         if self.k_cache.numel() == 0:  # memory profiling run, before the cache exists
             return dense_causal_attention(q, k, v, meta.cu_seqlens_q.tolist(), self.scale)
@@ -36,11 +38,14 @@ class Attention(nn.Module):
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
         if meta.decode_part is not None:  # decodes beside prompt chunks: each through its own kernel
             d = meta.decode_part.context_lens.shape[0]
-            decoded = self.backend.decode(q[:d], self.k_cache, self.v_cache, meta.decode_part, self.scale, **scales)
-            chunks = self.backend.prefill(q[d:], k[d:], v[d:], self.k_cache, self.v_cache, meta.chunk_part,
-                                          self.scale, **scales)
-            return torch.cat([decoded, chunks])
+            out = torch.empty_like(q) if out is None else out
+            self.backend.decode(q[:d], self.k_cache, self.v_cache, meta.decode_part, self.scale, out=out[:d],
+                                **scales)
+            out[d:].copy_(self.backend.prefill(q[d:], k[d:], v[d:], self.k_cache, self.v_cache, meta.chunk_part,
+                                               self.scale, **scales))
+            return out
         if meta.is_prefill:
-            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **scales)
-        return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale, **scales)
+            result = self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **scales)
+            return result if out is None else out.copy_(result)
+        return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale, out=out, **scales)
 

@@ -100,18 +100,23 @@ class InputBuilder:
         bs = self.block_size
         table, width = self._block_tables(seqs)
         cu = self.cu_seqlens.np
-        cu[0] = 0
-        n, max_q, max_k, cached, sampled, decodes, keys = 0, 0, 0, False, 0, 0, 0
-        for i, seq in enumerate(seqs):
-            if seq.chunk is None:  # decoding: its last token, possibly still on the device (patched there)
-                assert decodes == i, f"{seq}: decoding rows come before prompt chunks"
-                start, q_len = seq.num_tokens - 1, 1
-                self.input_ids.np[n] = seq.token_ids[-1]
-                decodes += 1
-            else:
-                assert seq.num_pending == 0, f"{seq}: a prefill needs every token on the host"
-                start, q_len = seq.chunk
-                self.input_ids.np[n:n + q_len] = seq.token_ids[start:start + q_len]
+        # The leading decoding rows, one token each, at once (their last token possibly still on
+        # the device, patched there); then each prompt chunk.
+        d = next((i for i, seq in enumerate(seqs) if seq.chunk is not None), len(seqs))
+        kv_lens = self._decode_rows(seqs[:d], table)
+        cu[:d + 1] = np.arange(d + 1)
+        sampled = 0
+        for i in range(d):
+            if seqs[i].samples:
+                self.logits_rows.np[sampled] = i
+                sampled += 1
+        n, max_q, max_k, cached, keys = d, 0, int(kv_lens.max()) + 1 if d else 0, False, 0
+        for i in range(d, len(seqs)):
+            seq = seqs[i]
+            assert seq.chunk is not None, f"{seq}: decoding rows come before prompt chunks"
+            assert seq.num_pending == 0, f"{seq}: a prefill needs every token on the host"
+            start, q_len = seq.chunk
+            self.input_ids.np[n:n + q_len] = seq.token_ids[start:start + q_len]
             end, kv_start = start + q_len, seq.kv_len
             pos = np.arange(start, end)
             index = np.arange(kv_start, kv_start + q_len)  # cache indices
@@ -132,16 +137,14 @@ class InputBuilder:
                 self.logits_rows.np[sampled] = n - 1
                 sampled += 1
             max_k = max(max_k, kv_start + q_len)
-            if seq.chunk is not None:  # (the decoding rows take the decode path: see to_device)
-                max_q, cached = max(max_q, q_len), cached or kv_start > 0
-                keys += kv_start + q_len
-        return StepShape(True, len(seqs), n, width, max_q or 1, max_k, cached, sampled, decodes, keys)
+            max_q, cached = max(max_q, q_len), cached or kv_start > 0
+            keys += kv_start + q_len
+        return StepShape(True, len(seqs), n, width, max_q or 1, max_k, cached, sampled, d, keys)
 
-    def fill_decode(self, seqs: list[Sequence]) -> StepShape:
-        """Write a decode step's numbers into the host buffers."""
-        bs = self.block_size
-        table, width = self._block_tables(seqs)
-        b = len(seqs)
+    def _decode_rows(self, seqs: list[Sequence], table: np.ndarray) -> np.ndarray:
+        """Write the numbers of ``seqs``, each decoding one token, into the buffers' first rows (one
+        row per request); return their cached token counts."""
+        bs, b = self.block_size, len(seqs)
         kv_lens = np.fromiter((s.kv_len for s in seqs), dtype=np.int64, count=b)
         self.input_ids.np[:b] = [s.token_ids[-1] for s in seqs]  # a pending token's is patched on the device
         self.positions.np[:b] = [s.num_tokens - 1 for s in seqs]
@@ -151,7 +154,13 @@ class InputBuilder:
             w = self.window
             self.query_slots.np[:b] = [self.no_query_row if s.query_slot is None
                                        else s.query_slot * w + (s.num_tokens - 1) % w for s in seqs]
-        return StepShape(False, b, b, width, 1, int(kv_lens.max()) + 1, False)
+        return kv_lens
+
+    def fill_decode(self, seqs: list[Sequence]) -> StepShape:
+        """Write a decode step's numbers into the host buffers."""
+        table, width = self._block_tables(seqs)
+        kv_lens = self._decode_rows(seqs, table)
+        return StepShape(False, len(seqs), len(seqs), width, 1, int(kv_lens.max()) + 1, False)
 
     @staticmethod
     def pending_rows(seqs: list[Sequence], rows: dict[Sequence, int]) -> np.ndarray:

@@ -147,6 +147,6 @@ class PiecewiseGraphs:
         self.positions[:n].copy_(positions)
         pieces[0].replay()
         for attention, piece in zip(self.attention, pieces[1:]):
-            self.attn_out[:n].copy_(attention(self.q[:n], self.k[:n], self.v[:n]))
+            attention(self.q[:n], self.k[:n], self.v[:n], out=self.attn_out[:n])
             piece.replay()
         return self.hidden[:n]
