@@ -7,7 +7,7 @@ each piece between two attentions. The first piece embeds the tokens and runs th
 layer's norm and projections; each following one runs a layer's output projection and MLP
 and the next layer's norm and projections; the last runs the final norm. A step copies its
 tokens into static buffers, replays the first piece, and then, layer by layer, runs attention
-eagerly on the queries, keys and values the piece left in static buffers, copies its output
+eagerly on the queries, keys and values the piece left in static buffers, writes its output
 where the next piece reads it, and replays that piece.
 
 Without this a prefill step launches a few hundred kernels from Python, a floor of about 48 ms
