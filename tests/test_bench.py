@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from zipage.bench.chunks import step_kind
 from zipage.cli import main as cli_main
 
 
@@ -304,6 +305,8 @@ def test_profile_breakdown_groups_kernels_and_idle_time():
     assert kind_of("triton_red_fused_add_mean_mul_pow_rsqrt_0") == "fused elementwise"
     assert kind_of("_add_rms_norm_kernel") == kind_of("_norm_rope_kernel") == "norm and rope"
     assert kind_of("_redundancy_kernel") == "compression" and kind_of("mystery") == "other"
+    assert kind_of("_choose_kept_kernel") == kind_of("_compact_single_pass_kernel") == "compression"
+    assert kind_of("_merge_parts_kernel") == "attention"
     # two steps of 10 ms: per step a 4 ms product and a 1 ms kernel overlapping it by 0.5 ms, 2 ms of attention
     kernels = []
     for t0 in (0.0, 10_000.0):
@@ -444,7 +447,11 @@ def test_chunks_benchmark_times_every_chunk_of_the_prompt(tmp_path, capsys):
     assert result["piecewise_graph_tokens"] == 36  # capped at a step's tokens
     assert result["summary"]["mixed_steps"] == 10 and sum(b["steps"] for b in result["bands"]) == 10
     assert result["summary"]["decode_step_ms"] > 0
-    assert "decode step before the prompt" in capsys.readouterr().out
+    # Every step from the prompt's arrival is recorded by kind: here each one ran a chunk.
+    assert [e["chunk_tokens"] for e in result["every_step"]] == [s[1] for s in steps]
+    assert [row["kind"] for row in result["kinds"]] == ["chunk"] and result["kinds"][0]["steps"] == 10
+    out = capsys.readouterr().out
+    assert "decode step before the prompt" in out and "every step while the prompt was prefilled" in out
 
     assert cli_main([*common, "--profile", "--out", str(tmp_path / "profiled")]) == 0
     result = json.loads((tmp_path / "profiled" / "chunks.json").read_text())
@@ -459,6 +466,10 @@ def test_chunks_benchmark_times_every_chunk_of_the_prompt(tmp_path, capsys):
     result = json.loads((tmp_path / "compressed" / "chunks.json").read_text())
     chunks = [s[1] for s in result["steps"]]  # a stream being compressed skips its decode: its room goes to the chunk
     assert sum(chunks) == 300 and max(chunks) <= 36 and result["summary"]["compressions"] >= 4
+    every = result["every_step"]
+    assert sum(e["chunk_tokens"] for e in every) == 300 and sum(e["compressions"] for e in every) >= 1
+    assert all(e["kind"] == step_kind(e["chunk_tokens"], e["compressions"]) for e in every)
+    assert sum(row["steps"] for row in result["kinds"]) == len(every)
 
     assert cli_main([*common[:-4], "--max-num-batched-tokens", "4"]) == 2
     assert "--max-num-batched-tokens must exceed --streams (4), whose decodes come first in every step, got 4" \

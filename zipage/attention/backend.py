@@ -18,11 +18,13 @@ class AttentionBackend:
     name = "base"
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None,
-                 query_slots=None, *, k_scale=None, v_scale=None) -> None:
+                 query_slots=None, *, k_scale=None, v_scale=None, launches=None) -> None:
         """Keys and values into their cache slots; with compression also the queries into
         their observation-window rows. A float8 cache (``kv_cache_dtype="fp8"``) comes with
         its float32 scales k_scale / v_scale [num_blocks, block_size, kv_heads], also passed
-        to ``prefill`` and ``decode``; they are None otherwise."""
+        to ``prefill`` and ``decode``; they are None otherwise. ``launches``: the step's
+        ``StepLaunches`` (``zipage/kernels/common.py``) in a step that runs attention eagerly
+        layer after layer, also passed to ``decode``; a backend without Triton kernels ignores it."""
         raise NotImplementedError
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, *, k_scale=None,
@@ -30,7 +32,7 @@ class AttentionBackend:
         raise NotImplementedError
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *, k_scale=None,
-               v_scale=None, out: torch.Tensor | None = None) -> torch.Tensor:
+               v_scale=None, out: torch.Tensor | None = None, launches=None) -> torch.Tensor:
         """One query per sequence; written into ``out`` (shaped like ``q``) when given."""
         raise NotImplementedError
 

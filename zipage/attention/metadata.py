@@ -42,6 +42,9 @@ class AttentionMetadata:
     split_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # The same for split-K chunk attention: (pieces, ``triton_backend.piece_slots``).
     piece_slots: tuple | None = None
+    # A step that runs attention eagerly on a GPU: its Triton kernels' binaries and scratch
+    # buffers, found at its first layer and used by the others (``kernels/common.StepLaunches``).
+    launches: object | None = None
 
 
 _current: AttentionMetadata | None = None

@@ -14,7 +14,7 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None,
-                 *, k_scale=None, v_scale=None):
+                 *, k_scale=None, v_scale=None, launches=None):
         store_kv_torch(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots,
                        k_scale=k_scale, v_scale=v_scale)
 
@@ -23,7 +23,7 @@ class TorchBackend(AttentionBackend):
                                              meta.context_lens, meta.max_seqlen_q, scale,
                                              k_scale=k_scale, v_scale=v_scale)
 
-    def decode(self, q, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None, out=None):
+    def decode(self, q, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None, out=None, launches=None):
         result = paged_decode_attention_sdpa(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                              k_scale=k_scale, v_scale=v_scale)
         return result if out is None else out.copy_(result)

@@ -334,9 +334,9 @@ class TritonBackend(AttentionBackend):
         self.use_flash_prefill = available if use_flash_prefill is None else use_flash_prefill and available
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None,
-                 *, k_scale=None, v_scale=None):
+                 *, k_scale=None, v_scale=None, launches=None):
         store_kv(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots,
-                 k_scale=k_scale, v_scale=v_scale)
+                 k_scale=k_scale, v_scale=v_scale, launches=launches)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None):
         flash_ok = (self.use_flash_prefill and q.dtype != torch.float32
@@ -373,6 +373,6 @@ class TritonBackend(AttentionBackend):
         lse = torch.zeros(2, 1, device=device)
         merge_parts(q.repeat(2, 1, 1), lse.repeat(2, 1), q, lse, torch.ones(2, 2, dtype=torch.uint8, device=device))
 
-    def decode(self, q, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None, out=None):
+    def decode(self, q, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None, out=None, launches=None):
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, out,
-                                      k_scale=k_scale, v_scale=v_scale)
+                                      k_scale=k_scale, v_scale=v_scale, launches=launches)

@@ -7,7 +7,9 @@ its budget, the prompt between its chunks with ``--prefill-compression always``)
 it: its host time (until the engine returns) and its wall time. Reported, by depth into the
 prompt (eighths): the mixed steps' median wall and host milliseconds, next to the median
 decode step before the prompt arrived, whose 3x is the latency target of such steps
-(``docs/benchmarks.md``, "Long prompts among decoding streams"). With ``--profile``, where
+(``docs/benchmarks.md``, "Long prompts among decoding streams"); and every step from the
+prompt's arrival to its last chunk by kind (a chunk, a compression launched, both, or decodes
+only), since with a budget a prompt's compressions between its chunks take steps of their own. With ``--profile``, where
 three mixed steps at three quarters of the prompt spend their device time, kernels grouped
 by kind (``bench/profile.py``).
 
@@ -30,6 +32,15 @@ BANDS = 8
 WARMUP_STEPS = 40  # decode steps before timing: every stream past its prefill, graphs warm
 DECODE_STEPS = 30  # decode steps timed before the prompt arrives
 PROFILED_STEPS = 3
+STEP_KINDS = ("chunk", "chunk and compression", "compression", "decode")
+EVERY_FIELDS = ("depth", "kind", "chunk_tokens", "compressions", "host_ms", "wall_ms")
+
+
+def step_kind(chunk_tokens: int, compressions: int) -> str:
+    """What a step beside the streams' decodes ran: a prompt chunk, compressions, both, or neither."""
+    if chunk_tokens:
+        return "chunk and compression" if compressions else "chunk"
+    return "compression" if compressions else "decode"
 
 
 def add_chunks_parser(sub) -> None:
@@ -108,15 +119,20 @@ def run_chunks_bench(args: argparse.Namespace) -> int:
     def random_prompt(n: int) -> list[int]:
         return torch.randint(0, engine.vocab_size, (n,), generator=g).tolist()
 
-    def timed_step():
-        """(the step's prompt tokens, host ms, wall ms)."""
+    every = []  # every step from the prompt's arrival: (depth, kind, chunk tokens, compressions, host ms, wall ms)
+
+    def timed_step(depth=None):
+        """(the step's prompt tokens, host ms, wall ms); recorded in ``every`` when given its depth."""
         t0 = time.perf_counter()
         _, stats = engine.step()
         t1 = time.perf_counter()
         sync()
         if stats is None:
             raise RuntimeError("the engine stopped scheduling before the long prompt was prefilled")
-        return stats.num_tokens - stats.num_decodes, 1000 * (t1 - t0), 1000 * (time.perf_counter() - t0)
+        chunk, host, wall = stats.num_tokens - stats.num_decodes, 1000 * (t1 - t0), 1000 * (time.perf_counter() - t0)
+        if depth is not None:
+            every.append((depth, step_kind(chunk, stats.num_compressed), chunk, stats.num_compressed, host, wall))
+        return chunk, host, wall
 
     try:
         for _ in range(args.streams):
@@ -133,12 +149,12 @@ def run_chunks_bench(args: argparse.Namespace) -> int:
                 profiler.start()
                 walls = []
                 for _ in range(PROFILED_STEPS):
-                    chunk, _, wall = timed_step()
+                    chunk, _, wall = timed_step(done)
                     done += chunk
                     walls.append(wall)
                 profile_rows = breakdown(profiler.stop(), PROFILED_STEPS, sum(walls) / len(walls) / 1000)
                 continue
-            chunk, host, wall = timed_step()
+            chunk, host, wall = timed_step(done)
             if chunk > 0:
                 mixed.append((done, chunk, host, wall))
             done += chunk
@@ -157,6 +173,13 @@ def run_chunks_bench(args: argparse.Namespace) -> int:
                               wall_ms=_median([r[3] for r in rows]), max_wall_ms=max(r[3] for r in rows)))
     walls = sorted(m[3] for m in mixed)
     decode_step = _median(decode_ms)
+    kinds = []
+    for kind in STEP_KINDS:
+        rows = sorted(e[5] for e in every if e[1] == kind)
+        if rows:
+            kinds.append(dict(kind=kind, steps=len(rows), wall_ms_p50=_median(rows),
+                              wall_ms_p90=rows[int(0.9 * (len(rows) - 1))], wall_ms_max=rows[-1],
+                              host_ms_p50=_median([e[4] for e in every if e[1] == kind])))
     summary = dict(decode_step_ms=decode_step, mixed_steps=len(mixed), wall_ms_p50=_median(walls),
                    wall_ms_p90=walls[int(0.9 * (len(walls) - 1))] if walls else None,
                    wall_ms_max=walls[-1] if walls else None, host_ms_p50=_median([m[2] for m in mixed]),
@@ -170,6 +193,9 @@ def run_chunks_bench(args: argparse.Namespace) -> int:
     print(f"decode step before the prompt: {decode_step:.2f} ms (target for a mixed step: 3x = "
           f"{3 * decode_step:.1f} ms)")
     print_table(bands, list(bands[0]) if bands else [])
+    print("every step while the prompt was prefilled, by kind (a compression's device time counts in the step "
+          "that launched it):")
+    print_table(kinds, list(kinds[0]) if kinds else [])
     print(f"mixed steps: {len(mixed)}, wall p50 {summary['wall_ms_p50']:.1f} ms, p90 {summary['wall_ms_p90']:.1f} ms, "
           f"max {summary['wall_ms_max']:.1f} ms; host p50 {summary['host_ms_p50']:.1f} ms")
     if profile_rows:
@@ -178,5 +204,6 @@ def run_chunks_bench(args: argparse.Namespace) -> int:
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     write_json(args.out and os.path.join(args.out, "chunks.json"), dict(benchmark="chunks", settings=settings,
                               piecewise_graph_tokens=graph_tokens, summary=summary,
-                              bands=bands, steps=mixed, decode_steps_ms=decode_ms, profile=profile_rows), device)
+                              bands=bands, steps=mixed, decode_steps_ms=decode_ms, profile=profile_rows,
+                              kinds=kinds, every_step=[dict(zip(EVERY_FIELDS, e)) for e in every]), device)
     return 0

@@ -20,8 +20,9 @@ from zipage.runner.trace import merge_intervals
 # (kind, pattern on the lower-cased kernel or operator name); the first match wins
 KINDS = [
     ("collective", r"nccl|all_reduce|allreduce|all_gather|allgather"),
-    ("compression", r"window_lse|window_attention|redundancy|gather_kept|scatter_kept|topk"),
-    ("attention", r"decode_split|decode_merge|prefill_kernel|flash|attention|sdpa"),
+    ("compression", r"window_lse|window_attention|redundancy|choose_kept|compact_single_pass|gather_kept|"
+                    r"scatter_kept|topk"),
+    ("attention", r"decode_split|decode_merge|prefill_kernel|merge_parts|flash|attention|sdpa"),
     ("kv store", r"store_kv"),
     ("matmul", r"gemm|gemv|cutlass|cublas|nvjet|xmma|matmul|aten::mm$|aten::addmm|aten::bmm|aten::linear"),
     ("norm and rope", r"add_rms_norm_kernel|norm_rope_kernel"),  # kernels/norm_rope.py

@@ -8,8 +8,11 @@ and then and stalls for a compile (a second or more) in the middle of serving.
 """
 
 import functools
+import logging
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 try:
     import triton
@@ -72,6 +75,71 @@ def fast_fp8_widening(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 FAST_FP8_WIDENING = True  # False: Triton's own conversion everywhere (for comparisons)
+
+
+# Whether StepLaunches may launch binaries directly; turned off, with a warning, the first time a
+# direct launch fails (a Triton whose compiled kernels take their arguments otherwise).
+_DIRECT_LAUNCH = {"usable": True}
+
+
+class StepLaunches:
+    """The Triton kernels of one step that runs attention eagerly, layer after layer.
+
+    Every layer launches the same kernels with arguments of the same shapes, dtypes and
+    alignment: only the layer's caches differ, equal slices of one tensor. The first launch of
+    each kernel goes through Triton's dispatch, which binds the arguments, works out their
+    specialization and finds (or compiles) the binary for it; the following layers launch that
+    binary directly. The dispatch is tens of microseconds of Python a launch, which a step of
+    prompt chunks beside decodes pays for several kernels a layer while the device waits for
+    the host (``docs/benchmarks.md``, "Long prompts among decoding streams").
+
+    A step's arguments must keep their specialization from layer to layer; the callers pass
+    one object per step (``AttentionMetadata.launches``), and a key that names every constant
+    of the launch. Scratch buffers the layers use one after the other (stream order) are kept
+    here too, so that a step allocates them once.
+    """
+
+    def __init__(self):
+        self._binaries: dict = {}
+        self._scratch: dict = {}
+        self.direct = 0  # launches that skipped the dispatch
+
+    def launch(self, key, kernel, grid, args: tuple, constexprs: dict, **options) -> None:
+        """``kernel[grid](*args, **constexprs, **options)``, with ``args`` positional in the kernel's
+        order and ``constexprs`` its remaining parameters, by name. The binary is launched directly
+        only for arguments of the specialization it was found for (each tensor's dtype and 16-byte
+        alignment, each integer's being 1, a multiple of 16 or wider than 32 bits, as Triton
+        specializes them)."""
+        known = self._binaries.get(key)
+        if known is not None and _DIRECT_LAUNCH["usable"]:
+            binary, specialization = known
+            if binary is not None and _specialization(args) == specialization:
+                try:
+                    grid = tuple(grid) + (1,) * (3 - len(grid))
+                    binary[grid](*args, *(constexprs[name] for name in kernel.arg_names[len(args):]))
+                    self.direct += 1
+                    return
+                except (AttributeError, KeyError, TypeError, ValueError) as error:
+                    _DIRECT_LAUNCH["usable"] = False
+                    logger.warning("launching a compiled Triton kernel directly failed (%s); kernels now go "
+                                   "through Triton's dispatch every time", error)
+        # The dispatch returns the binary it launched (nothing in the CPU interpreter). A binary's own
+        # launch calls Triton's launch hooks as the dispatch does.
+        self._binaries[key] = (kernel[grid](*args, **constexprs, **options), _specialization(args))
+
+    def scratch(self, key, make):
+        """The step's buffer under ``key``, made by ``make()`` at its first use."""
+        buffer = self._scratch.get(key)
+        if buffer is None:
+            buffer = self._scratch[key] = make()
+        return buffer
+
+
+def _specialization(args: tuple) -> tuple:
+    """What Triton's binaries depend on in the positional arguments of a launch (besides constants)."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                 else (a == 1, a % 16 == 0, -2**31 <= a < 2**31) if isinstance(a, int) else type(a) for a in args)
+
 
 if triton is not None:
 

@@ -253,7 +253,7 @@ def _check_args(q, k_cache, v_cache, block_tables, context_lens, k_scale=None, v
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, *, num_splits=None,
-                           min_split_tokens=None, k_scale=None, v_scale=None, tile=None):
+                           min_split_tokens=None, k_scale=None, v_scale=None, tile=None, launches=None):
     """Attend each sequence's single query to its first context_lens[i] cached tokens.
 
     q: [batch, num_heads, head_dim]; k_cache / v_cache: [num_blocks, block_size,
@@ -263,7 +263,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     min_split_tokens override the split-K factor and DECODE_MIN_SPLIT_TOKENS, and tile
     the (tokens per tile, num_warps, num_stages) of DECODE_TILE_CONFIG (for tuning and
     tests). CUDA-graph capturable. A float8 e4m3 cache comes with its
-    float32 scales k_scale / v_scale [num_blocks, block_size, kv_heads].
+    float32 scales k_scale / v_scale [num_blocks, block_size, kv_heads]. ``launches``: the
+    step's ``common.StepLaunches`` when the call repeats layer after layer with the same
+    shapes (the split buffers and the binaries are then found once a step).
     """
     _check_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
@@ -291,64 +293,44 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     if num_splits is None:
         num_splits = _choose_num_splits(batch, num_kv_heads, max_tiles, min_split_tiles, q.device)
     single_split = num_splits == 1
+
+    def split_buffers():
+        return (torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device),
+                torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device))
+
     if single_split:
         partial_out = partial_lse = out  # unused
+    elif launches is not None:
+        partial_out, partial_lse = launches.scratch(("decode splits", batch, num_heads, num_splits, head_dim),
+                                                    split_buffers)
     else:
-        partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        partial_out, partial_lse = split_buffers()
 
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        out,
-        partial_out,
-        partial_lse,
-        scale * _LOG2_E,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        num_heads,
-        num_splits,
-        min_split_tiles,
-        k_scale if fp8 else context_lens,  # placeholders, never read
-        v_scale if fp8 else context_lens,
-        k_scale.stride(0) if fp8 else 0,
-        k_scale.stride(1) if fp8 else 0,
-        GROUP_SIZE=group_size,
-        GROUP_PAD=max(16, triton.next_power_of_2(group_size)),
-        HEAD_DIM=head_dim,
-        PAGE_SIZE=block_size,
-        BLOCK_N=block_n,
-        SINGLE_SPLIT=single_split,
-        DOT_PRECISION=dot_precision(q.dtype),
-        FP8=fp8,
-        FAST_FP8=fp8 and fast_fp8_widening(q.dtype, q.device),
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    args = (q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse, scale * _LOG2_E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), block_tables.stride(0), num_heads, num_splits, min_split_tiles,
+            k_scale if fp8 else context_lens,  # placeholders, never read
+            v_scale if fp8 else context_lens,
+            k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0)
+    constexprs = dict(GROUP_SIZE=group_size, GROUP_PAD=max(16, triton.next_power_of_2(group_size)),
+                      HEAD_DIM=head_dim, PAGE_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single_split,
+                      DOT_PRECISION=dot_precision(q.dtype), FP8=fp8,
+                      FAST_FP8=fp8 and fast_fp8_widening(q.dtype, q.device))
+    grid = (batch, num_kv_heads, num_splits)
+    if launches is None:
+        _decode_split_kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+    else:
+        launches.launch(("decode split", grid, *constexprs.values(), num_warps, num_stages), _decode_split_kernel,
+                        grid, args, constexprs, num_warps=num_warps, num_stages=num_stages)
     if not single_split:
-        _decode_merge_kernel[(batch, num_heads)](
-            partial_out,
-            partial_lse,
-            context_lens,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            num_splits,
-            min_split_tiles,
-            HEAD_DIM=head_dim,
-            BLOCK_N=block_n,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-        )
+        args = (partial_out, partial_lse, context_lens, out, out.stride(0), out.stride(1), num_heads, num_splits,
+                min_split_tiles)
+        constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS_PAD=triton.next_power_of_2(num_splits))
+        if launches is None:
+            _decode_merge_kernel[(batch, num_heads)](*args, **constexprs)
+        else:
+            launches.launch(("decode merge", batch, num_heads, *constexprs.values()), _decode_merge_kernel,
+                            (batch, num_heads), args, constexprs)
     return out
 
 

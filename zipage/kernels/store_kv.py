@@ -139,7 +139,7 @@ def _check_args(key, value, k_cache, v_cache, slot_mapping, query=None, query_ca
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None, *,
-             k_scale=None, v_scale=None):
+             k_scale=None, v_scale=None, launches=None):
     """Store key[i] / value[i] ([num_tokens, kv_heads, head_dim]) at cache slot slot_mapping[i],
     and, when given, query[i] ([num_tokens, heads, head_dim]) at query_cache[query_slots[i]].
 
@@ -147,6 +147,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache
     long as the last dimension is contiguous. Slots < 0 are skipped (query slots are
     all written: rows outside a window point at a spare row). With a float8 cache,
     k_scale / v_scale ([num_blocks, block_size, kv_heads] float32) receive each row's scale.
+    ``launches``: the step's ``common.StepLaunches`` when the call repeats layer after layer.
     """
     _check_args(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots, k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -166,39 +167,17 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache
     fp8 = k_scale is not None
     if not fp8:  # placeholders, never read
         k_scale = v_scale = slot_mapping
-    _store_kv_kernel[(num_tokens,)](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        num_kv_heads,
-        query,
-        query_cache,
-        query_slots,
-        query.stride(0),
-        query.stride(1),
-        query_cache.stride(0),
-        query_cache.stride(1),
-        query.shape[1],
-        k_scale,
-        v_scale,
-        k_scale.stride(0) if fp8 else 0,
-        k_scale.stride(1) if fp8 else 0,
-        PAGE_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HAS_QUERY=has_query,
-        QUERY_HEADS_PAD=triton.next_power_of_2(query.shape[1]),
-        FP8=fp8,
-    )
+    args = (key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0),
+            value.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_kv_heads, query,
+            query_cache, query_slots, query.stride(0), query.stride(1), query_cache.stride(0), query_cache.stride(1),
+            query.shape[1], k_scale, v_scale, k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0)
+    constexprs = dict(PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+                      HAS_QUERY=has_query, QUERY_HEADS_PAD=triton.next_power_of_2(query.shape[1]), FP8=fp8)
+    if launches is None:
+        _store_kv_kernel[(num_tokens,)](*args, **constexprs)
+    else:
+        launches.launch(("store kv", num_tokens, *constexprs.values()), _store_kv_kernel, (num_tokens,), args,
+                        constexprs)
 
 
 def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None, *,

@@ -7,6 +7,7 @@ from torch import nn
 
 from zipage.attention.backend import dense_causal_attention
 from zipage.attention.metadata import get_attention_metadata
+from zipage.kernels.common import StepLaunches
 
 
 class Attention(nn.Module):
@@ -31,16 +32,19 @@ class Attention(nn.Module):
         if self.k_cache.numel() == 0:  # memory profiling run, before the cache exists
             return dense_causal_attention(q, k, v, meta.cu_seqlens_q.tolist(), self.scale)
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)  # None but with a float8 cache
+        if meta.is_prefill and meta.launches is None and q.is_cuda:  # an eager step: layer after layer
+            meta.launches = StepLaunches()
         if meta.query_slots is not None:  # with compression: q into the observation window, same launch
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
-                                  q, self.query_cache, meta.query_slots, **scales)
+                                  q, self.query_cache, meta.query_slots, launches=meta.launches, **scales)
         else:
-            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, launches=meta.launches,
+                                  **scales)
         if meta.decode_part is not None:  # decodes beside prompt chunks: each through its own kernel
             d = meta.decode_part.context_lens.shape[0]
             out = torch.empty_like(q) if out is None else out
             self.backend.decode(q[:d], self.k_cache, self.v_cache, meta.decode_part, self.scale, out=out[:d],
-                                **scales)
+                                launches=meta.launches, **scales)
             out[d:].copy_(self.backend.prefill(q[d:], k[d:], v[d:], self.k_cache, self.v_cache, meta.chunk_part,
                                                self.scale, **scales))
             return out
