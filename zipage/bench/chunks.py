@@ -3,15 +3,16 @@
 ``--streams`` requests (random prompts of ``--input-len`` tokens) decode; then one prompt of
 ``--prompt-len`` tokens arrives and is prefilled in chunks of ``--max-num-batched-tokens``
 beside their decodes (full KV, or with ``--kv-budget-tokens`` every request compressed to
-its budget, the prompt between its chunks with ``--prefill-compression always``). Every step is timed on its own, the device synchronized after
-it: its host time (until the engine returns) and its wall time. Reported, by depth into the
-prompt (eighths): the mixed steps' median wall and host milliseconds, next to the median
-decode step before the prompt arrived, whose 3x is the latency target of such steps
-(``docs/benchmarks.md``, "Long prompts among decoding streams"); and every step from the
-prompt's arrival to its last chunk by kind (a chunk, a compression launched, both, or decodes
-only), since with a budget a prompt's compressions between its chunks take steps of their own. With ``--profile``, where
-three mixed steps at three quarters of the prompt spend their device time, kernels grouped
-by kind (``bench/profile.py``).
+its budget, the prompt between its chunks with ``--prefill-compression always``). Every step
+is timed on its own, the device synchronized after it: its host time (until the engine
+returns) and its wall time. Reported, by depth into the prompt (eighths): the mixed steps'
+median wall and host milliseconds, next to the median decode step before the prompt arrived,
+whose 3x is the latency target of such steps (``docs/benchmarks.md``, "Long prompts among
+decoding streams"); and every step from the prompt's arrival to its last chunk, by kind (a
+chunk, a compression launched, both, or decodes only: with a budget, a prompt's compressions
+between its chunks take steps of their own). With ``--profile``, where three mixed steps at
+three quarters of the prompt spend their device time, kernels grouped by kind
+(``bench/profile.py``).
 
 This is what ``bench serve --long-prompts`` measures from the clients' side, taken apart:
 a step's cost against its depth, and whether it is bound by the host or the device.
