@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Mixed steps on one GPU (docs/benchmarks.md, "Long prompts among decoding streams"), in one job of
 # about 8 minutes:
-#   tests:  the CUDA tests of the pieces and of prompt chunks' flash attention (the operator called
-#           directly, split-K for deep chunks, and through the varlen wrapper);
+#   tests:  the CUDA tests of the pieces, of prompt chunks' flash attention (the operator called
+#           directly, split-K for deep chunks, and through the varlen wrapper) and of the eager
+#           steps' direct launches;
 #   chunks: one 32K-token prompt's mixed steps beside 128 decoding streams, timed one by one, with
 #           where the device time goes (zipage bench chunks --profile), chunks costed by attention
-#           over SPAN keys; pieces on (the default);
+#           over SPAN keys, or with ZIPAGE=1 the prompt compressed to a budget of 2,048 between
+#           chunks of CHUNK tokens (default 512); pieces on (the default);
 #   serve:  the long-prompt latency benchmark, one run per entry of RUNS; pieces on (the default).
-# Usage: [RESULTS=dir] [RUNS="512 512:8192 512z"] [SPAN=8192] bash scripts/gpu_piecewise.sh [tests|chunks|serve|all]
+# Usage: [RESULTS=dir] [RUNS="512 512:8192 512z"] [SPAN=8192] [ZIPAGE=1 [CHUNK=512]]
+#        bash scripts/gpu_piecewise.sh [tests|chunks|serve|all]
 #        (default all). RUNS lists the serve runs, each CHUNK[:SPAN][z]: chunks of CHUNK tokens
 #        (--max-num-batched-tokens), costed by attention over SPAN keys (--prefill-attention-span,
 #        a number or "model"), z for Zipage (budget 2,048, prompts compressed between their chunks,
@@ -26,13 +29,18 @@ mkdir -p "$RESULTS"
 if [[ $what == tests || $what == all ]]; then
   stamp "CUDA tests of the pieces and of the chunks' flash attention"
   ZIPAGE_TEST_DEVICE=cuda TRITON_INTERPRET=0 timeout 240 python3 -m pytest -q -x -p no:cacheprovider \
-    tests/test_flash_chunks.py tests/test_piecewise_graphs.py 2>&1 | tail -15 | tee "$RESULTS/tests.log"
+    tests/test_flash_chunks.py tests/test_piecewise_graphs.py tests/test_step_launches.py 2>&1 | tail -15 \
+    | tee "$RESULTS/tests.log"
 fi
 if [[ $what == chunks || $what == all ]]; then
-  stamp "one 32K-token prompt in steps of 512 tokens beside 128 streams"
+  if [[ -n ${ZIPAGE:-} ]]; then
+    mode=(--max-num-batched-tokens "${CHUNK:-512}" --kv-budget-tokens 2048 --prefill-compression always)
+  else
+    mode=(--max-num-batched-tokens 512 --prefill-attention-span "${SPAN:-8192}")
+  fi
+  stamp "one 32K-token prompt in steps of ${mode[1]} tokens beside 128 streams ${mode[*]:2}"
   timeout 120 python3 -m zipage.cli bench chunks --shape qwen3-8b --streams 128 --prompt-len 32768 \
-    --max-num-batched-tokens 512 --prefill-attention-span "${SPAN:-8192}" --profile --out "$RESULTS/chunks" 2>&1 | grep -v "Warning\|warn" \
-    | tail -30 | tee "$RESULTS/chunks.log"
+    "${mode[@]}" --profile --out "$RESULTS/chunks" 2>&1 | grep -v "Warning\|warn" | tail -34 | tee "$RESULTS/chunks.log"
 fi
 if [[ $what == serve || $what == all ]]; then
   for run in ${RUNS:-512 512:8192 512z}; do

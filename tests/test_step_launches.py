@@ -15,6 +15,8 @@ from zipage.kernels.common import StepLaunches, quantize_fp8_torch  # noqa: E402
 from zipage.kernels.paged_decode import paged_decode_attention  # noqa: E402
 from zipage.kernels.store_kv import store_kv  # noqa: E402
 
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the kernels on CPU tensors run in the interpreter; on a GPU, see the CUDA test")
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("ZIPAGE_TEST_DEVICE", "cpu") == "cpu",
                           reason="needs a GPU (ZIPAGE_TEST_DEVICE=cuda)")
 
@@ -102,6 +104,7 @@ def decode_layers(q, ks, vs, tables, lens, launches, **kw):
             for i in range(ks.shape[0])]
 
 
+@interpreted
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["1-split", "3-splits"])
 def test_decode_layer_after_layer_with_the_step_launches_equals_launching_each(num_splits):
     require_triton()
@@ -113,6 +116,7 @@ def test_decode_layer_after_layer_with_the_step_launches_equals_launching_each(n
     assert len(launches._scratch) == (num_splits > 1)  # the split buffers: once for both layers
 
 
+@interpreted
 def test_store_kv_layer_after_layer_with_the_step_launches_equals_launching_each():
     require_triton()
     key, value, k_cache, v_cache, slots = kt.make_store_inputs(torch.float32, torch.int64)
