@@ -273,8 +273,9 @@ def test_a_trusted_slow_template_renders_off_the_event_loop(lenient):
     thread.join()
     duration_ms = 1000 * (time.perf_counter() - started)
     assert result["response"].status_code == 200, result["response"].text
-    # The template did take a while (about a second here; its speed varies with the machine).
-    assert duration_ms > 500 and len(latencies) >= 3
+    # The template did take a while (about a second here; its speed varies with the machine: 463 ms
+    # seen on a busy one).
+    assert duration_ms > 250 and len(latencies) >= 3
     # Answered all along: rendered on the loop, one /health would wait out the whole render. Bounds are
     # relative to the render, as the render shares the interpreter with the loop and with this test's client.
     assert max(latencies) < duration_ms / 2, (latencies, duration_ms)
