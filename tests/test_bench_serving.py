@@ -210,7 +210,8 @@ def test_long_prompts_among_decoding_streams(tmp_path, chunked):
     assert sorted(n for n, _ in result["long_ttft_s"]) == [200, 300]
     first, last = result["window_s"]
     assert 0.3 <= first < last and result["median_decode_step_s"] > 0
-    assert result["itl_all_s"]["count"] == 4 * 399  # every stream's tokens after its first
+    # every stream's tokens after its first chunk (which may hold a few, when its first steps are sent together)
+    assert 4 * 390 <= result["itl_all_s"]["count"] <= 4 * 399
     window = result["itl_window_s"]
     assert window["count"] > 0 and window["p50"] <= window["p99"] <= window["max"]
     assert result["settings"]["server"]["engine"]["enable_chunked_prefill"] is chunked
