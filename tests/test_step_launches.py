@@ -56,7 +56,7 @@ def test_the_first_launch_dispatches_and_the_others_run_the_binary_with_every_ar
     kernel, launches = Kernel(), StepLaunches()
     x = torch.zeros(8)
     for _ in range(3):
-        launches.launch("k", kernel, (4,), (x, 32), dict(BLOCK=64, FLAG=True), num_warps=4)
+        launches.launch(kernel, (4,), (x, 32), dict(BLOCK=64, FLAG=True), num_warps=4)
     assert kernel.calls[0] == ("dispatch", (4,), (x, 32), dict(BLOCK=64, FLAG=True, num_warps=4))
     # direct: the grid made three-dimensional, then the positional arguments and the constants in the kernel's order
     assert kernel.calls[1:] == [("direct", (4, 1, 1), (x, 32, 64, True))] * 2
@@ -67,11 +67,11 @@ def test_the_first_launch_dispatches_and_the_others_run_the_binary_with_every_ar
 def test_arguments_of_another_specialization_go_through_the_dispatch(change):
     kernel, launches = Kernel(), StepLaunches()
     x = torch.zeros(64)
-    launches.launch("k", kernel, (1,), (x, 32), dict(BLOCK=64, FLAG=False))
+    launches.launch(kernel, (1,), (x, 32), dict(BLOCK=64, FLAG=False))
     other = {"dtype": (x.double(), 32), "alignment": (x[1:], 32), "integer": (x, 33)}[change]
-    launches.launch("k", kernel, (1,), other, dict(BLOCK=64, FLAG=False))
+    launches.launch(kernel, (1,), other, dict(BLOCK=64, FLAG=False))
     assert [c[0] for c in kernel.calls] == ["dispatch", "dispatch"] and launches.direct == 0
-    launches.launch("k", kernel, (1,), other, dict(BLOCK=64, FLAG=False))  # the newer binary now serves it
+    launches.launch(kernel, (1,), other, dict(BLOCK=64, FLAG=False))  # the newer binary now serves it
     assert kernel.calls[-1][0] == "direct"
 
 
@@ -80,7 +80,7 @@ def test_a_binary_that_refuses_a_direct_launch_turns_direct_launches_off(monkeyp
     kernel, launches = Kernel(binary_fails=True), StepLaunches()
     x = torch.zeros(8)
     for _ in range(3):
-        launches.launch("k", kernel, (2,), (x, 16), dict(BLOCK=8, FLAG=False))
+        launches.launch(kernel, (2,), (x, 16), dict(BLOCK=8, FLAG=False))
     assert [c[0] for c in kernel.calls] == ["dispatch"] * 3  # every launch still ran, through the dispatch
     assert common._DIRECT_LAUNCH["usable"] is False and "directly failed" in caplog.text
 

@@ -34,7 +34,6 @@ WARMUP_STEPS = 40  # decode steps before timing: every stream past its prefill, 
 DECODE_STEPS = 30  # decode steps timed before the prompt arrives
 PROFILED_STEPS = 3
 STEP_KINDS = ("chunk", "chunk and compression", "compression", "decode")
-EVERY_FIELDS = ("depth", "kind", "chunk_tokens", "compressions", "host_ms", "wall_ms")
 
 
 def step_kind(chunk_tokens: int, compressions: int) -> str:
@@ -120,7 +119,7 @@ def run_chunks_bench(args: argparse.Namespace) -> int:
     def random_prompt(n: int) -> list[int]:
         return torch.randint(0, engine.vocab_size, (n,), generator=g).tolist()
 
-    every = []  # every step from the prompt's arrival: (depth, kind, chunk tokens, compressions, host ms, wall ms)
+    every = []  # every step from the prompt's arrival (a dict each)
 
     def timed_step(depth=None):
         """(the step's prompt tokens, host ms, wall ms); recorded in ``every`` when given its depth."""
@@ -132,7 +131,8 @@ def run_chunks_bench(args: argparse.Namespace) -> int:
             raise RuntimeError("the engine stopped scheduling before the long prompt was prefilled")
         chunk, host, wall = stats.num_tokens - stats.num_decodes, 1000 * (t1 - t0), 1000 * (time.perf_counter() - t0)
         if depth is not None:
-            every.append((depth, step_kind(chunk, stats.num_compressed), chunk, stats.num_compressed, host, wall))
+            every.append(dict(depth=depth, kind=step_kind(chunk, stats.num_compressed), chunk_tokens=chunk,
+                              compressions=stats.num_compressed, host_ms=host, wall_ms=wall))
         return chunk, host, wall
 
     try:
@@ -176,11 +176,12 @@ def run_chunks_bench(args: argparse.Namespace) -> int:
     decode_step = _median(decode_ms)
     kinds = []
     for kind in STEP_KINDS:
-        rows = sorted(e[5] for e in every if e[1] == kind)
-        if rows:
-            kinds.append(dict(kind=kind, steps=len(rows), wall_ms_p50=_median(rows),
-                              wall_ms_p90=rows[int(0.9 * (len(rows) - 1))], wall_ms_max=rows[-1],
-                              host_ms_p50=_median([e[4] for e in every if e[1] == kind])))
+        steps = [e for e in every if e["kind"] == kind]
+        walls_of_kind = sorted(e["wall_ms"] for e in steps)
+        if steps:
+            kinds.append(dict(kind=kind, steps=len(steps), wall_ms_p50=_median(walls_of_kind),
+                              wall_ms_p90=walls_of_kind[int(0.9 * (len(steps) - 1))], wall_ms_max=walls_of_kind[-1],
+                              host_ms_p50=_median([e["host_ms"] for e in steps])))
     summary = dict(decode_step_ms=decode_step, mixed_steps=len(mixed), wall_ms_p50=_median(walls),
                    wall_ms_p90=walls[int(0.9 * (len(walls) - 1))] if walls else None,
                    wall_ms_max=walls[-1] if walls else None, host_ms_p50=_median([m[2] for m in mixed]),
@@ -206,5 +207,5 @@ def run_chunks_bench(args: argparse.Namespace) -> int:
     write_json(args.out and os.path.join(args.out, "chunks.json"), dict(benchmark="chunks", settings=settings,
                               piecewise_graph_tokens=graph_tokens, summary=summary,
                               bands=bands, steps=mixed, decode_steps_ms=decode_ms, profile=profile_rows,
-                              kinds=kinds, every_step=[dict(zip(EVERY_FIELDS, e)) for e in every]), device)
+                              kinds=kinds, every_step=every), device)
     return 0

@@ -93,10 +93,9 @@ class StepLaunches:
     prompt chunks beside decodes pays for several kernels a layer while the device waits for
     the host (``docs/benchmarks.md``, "Long prompts among decoding streams").
 
-    A step's arguments must keep their specialization from layer to layer; the callers pass
-    one object per step (``AttentionMetadata.launches``), and a key that names every constant
-    of the launch. Scratch buffers the layers use one after the other (stream order) are kept
-    here too, so that a step allocates them once.
+    The callers pass one object per step (``AttentionMetadata.launches``) to ``launch_kernel``.
+    Scratch buffers the layers use one after the other (stream order) are kept here too, so that
+    a step allocates them once.
     """
 
     def __init__(self):
@@ -104,12 +103,13 @@ class StepLaunches:
         self._scratch: dict = {}
         self.direct = 0  # launches that skipped the dispatch
 
-    def launch(self, key, kernel, grid, args: tuple, constexprs: dict, **options) -> None:
+    def launch(self, kernel, grid, args: tuple, constexprs: dict, **options) -> None:
         """``kernel[grid](*args, **constexprs, **options)``, with ``args`` positional in the kernel's
-        order and ``constexprs`` its remaining parameters, by name. The binary is launched directly
-        only for arguments of the specialization it was found for (each tensor's dtype and 16-byte
-        alignment, each integer's being 1, a multiple of 16 or wider than 32 bits, as Triton
-        specializes them)."""
+        order and ``constexprs`` its remaining parameters, by name. A binary is kept per kernel, grid,
+        constants and options, and launched directly only for arguments of the specialization it
+        was found for (each tensor's dtype and 16-byte alignment, each integer's being 1, a multiple
+        of 16 or wider than 32 bits, as Triton specializes them)."""
+        key = (kernel, tuple(grid), *constexprs.values(), *options.items())
         known = self._binaries.get(key)
         if known is not None and _DIRECT_LAUNCH["usable"]:
             binary, specialization = known
@@ -133,6 +133,15 @@ class StepLaunches:
         if buffer is None:
             buffer = self._scratch[key] = make()
         return buffer
+
+
+def launch_kernel(kernel, grid, args: tuple, constexprs: dict, launches: StepLaunches | None = None,
+                  **options) -> None:
+    """``kernel[grid](*args, **constexprs, **options)``, through the step's ``launches`` when given."""
+    if launches is None:
+        kernel[grid](*args, **constexprs, **options)
+    else:
+        launches.launch(kernel, grid, args, constexprs, **options)
 
 
 def _specialization(args: tuple) -> tuple:

@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from zipage.kernels.common import (dot_precision, fast_fp8_widening, is_fp8, load_kv_scales, multiprocessor_count,
-                                   widen_fp8)
+from zipage.kernels.common import (dot_precision, fast_fp8_widening, is_fp8, launch_kernel, load_kv_scales,
+                                   multiprocessor_count, widen_fp8)
 
 try:
     import triton
@@ -316,21 +316,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
                       HEAD_DIM=head_dim, PAGE_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single_split,
                       DOT_PRECISION=dot_precision(q.dtype), FP8=fp8,
                       FAST_FP8=fp8 and fast_fp8_widening(q.dtype, q.device))
-    grid = (batch, num_kv_heads, num_splits)
-    if launches is None:
-        _decode_split_kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-    else:
-        launches.launch(("decode split", grid, *constexprs.values(), num_warps, num_stages), _decode_split_kernel,
-                        grid, args, constexprs, num_warps=num_warps, num_stages=num_stages)
+    launch_kernel(_decode_split_kernel, (batch, num_kv_heads, num_splits), args, constexprs, launches,
+                  num_warps=num_warps, num_stages=num_stages)
     if not single_split:
         args = (partial_out, partial_lse, context_lens, out, out.stride(0), out.stride(1), num_heads, num_splits,
                 min_split_tiles)
         constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS_PAD=triton.next_power_of_2(num_splits))
-        if launches is None:
-            _decode_merge_kernel[(batch, num_heads)](*args, **constexprs)
-        else:
-            launches.launch(("decode merge", batch, num_heads, *constexprs.values()), _decode_merge_kernel,
-                            (batch, num_heads), args, constexprs)
+        launch_kernel(_decode_merge_kernel, (batch, num_heads), args, constexprs, launches)
     return out
 
 

@@ -14,7 +14,7 @@ kv_heads], the slot's entry); see zipage/kernels/common.py.
 
 import torch
 
-from zipage.kernels.common import FP8_AMAX_FLOOR, FP8_MAX, is_fp8, quantize_fp8_torch
+from zipage.kernels.common import FP8_AMAX_FLOOR, FP8_MAX, is_fp8, launch_kernel, quantize_fp8_torch
 
 try:
     import triton
@@ -173,11 +173,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache
             query.shape[1], k_scale, v_scale, k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0)
     constexprs = dict(PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
                       HAS_QUERY=has_query, QUERY_HEADS_PAD=triton.next_power_of_2(query.shape[1]), FP8=fp8)
-    if launches is None:
-        _store_kv_kernel[(num_tokens,)](*args, **constexprs)
-    else:
-        launches.launch(("store kv", num_tokens, *constexprs.values()), _store_kv_kernel, (num_tokens,), args,
-                        constexprs)
+    launch_kernel(_store_kv_kernel, (num_tokens,), args, constexprs, launches)
 
 
 def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None, *,
