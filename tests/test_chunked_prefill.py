@@ -204,6 +204,37 @@ def test_prompt_longer_than_the_cache_is_compressed_between_chunks(checkpoint_di
     assert results
 
 
+def test_a_step_compacting_a_prompt_carries_no_prompt_chunk(checkpoint_dir):
+    """With asynchronous compression, two prompts compressed between their chunks take turns: a
+    step either compacts prompts or computes prompt chunks (beside the decodes), never both, and
+    both prompts still complete with every block back."""
+    from zipage import CompressionConfig
+
+    model_dir = checkpoint_dir("qwen3")
+    llm = make_llm(model_dir, block_size=16, max_model_len=512, max_num_batched_tokens=40,
+                   compression=CompressionConfig(kv_budget_tokens=32, window=8, prefill_compression="always"))
+    scheduler = llm.engine.scheduler
+    assert scheduler.asynchronous
+    steps, schedule = [], scheduler.schedule
+
+    def recorded():
+        batch = schedule()
+        if batch is not None:
+            steps.append((any(task.seq.prefilling for task in batch.compressions),
+                          any(seq.prefilling for seq in batch.seqs)))
+        return batch
+
+    scheduler.schedule = recorded
+    prompts = _prompts(23, llm.engine.vocab_size, [200, 160, 20])
+    done, _ = _run_steps(llm, {0: [("a", prompts[0], _greedy(max_tokens=8)), ("b", prompts[1], _greedy(max_tokens=8))],
+                               1: [("c", prompts[2], _greedy(max_tokens=40))]})
+    assert sorted(done) == ["a", "b", "c"] and all(len(o.outputs[0].token_ids) in (8, 40) for o in done.values())
+    compacting = [chunk for compacts, chunk in steps if compacts]
+    assert len(compacting) >= 4 and not any(compacting)
+    assert sum(chunk for _, chunk in steps) >= 6
+    assert_pool_full(llm)
+
+
 def test_decodes_beside_chunks_take_the_decode_path(checkpoint_dir, hf_greedy):
     """In a step mixing decodes with a prompt chunk, the decodes attend through the backend's
     decode kernel (which reads each KV head once for its group of query heads) and the chunk

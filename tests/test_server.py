@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import struct
 import sys
@@ -157,12 +158,14 @@ def test_engine_step_calls_its_async_callback_once_per_model_run(model_dir):
     assert llm.engine.step(async_callback=lambda: calls.append("idle")) == ([], None) and "idle" not in calls
 
 
-def test_outputs_are_handed_over_during_the_next_step(model_dir):
+def test_outputs_are_handed_over_during_the_next_step(model_dir, monkeypatch):
     """The event loop gets a step's outputs while the engine runs the next one; at once when it goes idle."""
+    from zipage.server.engine_loop import EngineLoop
+
     llm = make_llm(model_dir, block_size=16, max_num_seqs=4, max_model_len=256)
     app = create_app(llm.engine, MODEL, stream_interval=0.0)
-    async_engine, in_callback, flushes = app.state.engine, [False], []
-    real_step, real_flush = llm.engine.step, async_engine._flush
+    in_callback, flushes = [False], []
+    real_step, real_flush = llm.engine.step, EngineLoop._emit_held
 
     def step(async_callback=None):
         def callback():
@@ -173,12 +176,13 @@ def test_outputs_are_handed_over_during_the_next_step(model_dir):
                 in_callback[0] = False
         return real_step(async_callback=callback)
 
-    def flush():
-        if async_engine._held:
+    def flush(loop, always=False):
+        if loop._held:
             flushes.append(in_callback[0])
-        real_flush()
+        real_flush(loop, always)
 
-    llm.engine.step, async_engine._flush = step, flush
+    llm.engine.step = step
+    monkeypatch.setattr(EngineLoop, "_emit_held", flush)
     with ServerThread(app) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
         full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
@@ -489,7 +493,10 @@ def test_overload_gets_503_with_retry_after_and_the_engine_survives(guarded):
 
 
 # -- the command line -------------------------------------------------------------------------
-def test_serve_command_builds_the_server(model_dir, monkeypatch):
+@pytest.mark.parametrize("engine_process", [True, False])
+def test_serve_command_builds_the_server(model_dir, monkeypatch, engine_process):
+    """zipage serve: its options reach the server, and the engine (in a process of its own by
+    default) serves; the switch interval is set where the engine runs, and put back."""
     import zipage.server.cli as serve_cli
     from zipage.cli import main as cli_main
 
@@ -500,7 +507,8 @@ def test_serve_command_builds_the_server(model_dir, monkeypatch):
         seen.update(host=config.host, port=config.port, keep_alive=config.timeout_keep_alive,
                     max_connections=config.http.max_connections)
         with ServerThread(config.app) as server:
-            seen["switch_interval"] = sys.getswitchinterval()
+            seen["switch_interval"] = config.app.state.engine.call_threadsafe(sys.getswitchinterval)
+            seen["pid"] = config.app.state.engine.call_threadsafe(os.getpid)
             seen["no_key"] = httpx.get(server.url + "/v1/models", timeout=TIMEOUT).status_code
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="env-key", max_retries=0, timeout=TIMEOUT)
             seen["models"] = [m.id for m in client.models.list().data]
@@ -510,12 +518,16 @@ def test_serve_command_builds_the_server(model_dir, monkeypatch):
     before = sys.getswitchinterval()
     code = cli_main(["serve", model_dir, "--port", "8123", "--served-model-name", "served", "--device", "cpu",
                      "--block-size", "16", "--max-model-len", "128", "--max-num-seqs", "4",
-                     "--switch-interval", "0.00123", "--keep-alive-timeout", "7", "--max-connections", "99"])
+                     "--switch-interval", "0.00123", "--keep-alive-timeout", "7", "--max-connections", "99",
+                     "--engine-process" if engine_process else "--no-engine-process"])
     assert code == 0
     assert seen["switch_interval"] == pytest.approx(0.00123) and sys.getswitchinterval() == before
+    assert (seen["pid"] != os.getpid()) == engine_process
     assert seen["host"] == "127.0.0.1" and seen["port"] == 8123
     assert seen["keep_alive"] == 7 and seen["max_connections"] == 99
     assert seen["no_key"] == 401 and seen["models"] == ["served"] and isinstance(seen["text"], str)
+    if engine_process:
+        return
     assert cli_main(["serve", model_dir, "--max-queued-requests", "-1"]) == 2
     assert cli_main(["serve", model_dir, "--switch-interval", "0"]) == 2
 

@@ -143,6 +143,9 @@ class ParameterError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # pickled whole: an engine process replies with it
+        return type(self), (self.param, str(self))
+
 
 def _structured(value):
     """``structured_outputs`` as ``StructuredOutputsParams`` (a dict of its fields is accepted)."""

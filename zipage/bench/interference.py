@@ -153,6 +153,17 @@ def _print_step_report(report: dict) -> None:
                   for k in columns} for r in report["longest"]], columns)
 
 
+def start_step_log(engine, maxlen: int) -> None:
+    """Have the engine log its next ``maxlen`` steps' ``StepStats`` (run where the engine runs)."""
+    engine.step_log = deque(maxlen=maxlen)
+
+
+def take_step_log(engine) -> tuple[list, bool]:
+    """The steps logged, and whether the engine schedules asynchronously; the log stops."""
+    steps, engine.step_log = list(engine.step_log or ()), None
+    return steps, engine.async_scheduling
+
+
 def run_interference_bench(args: argparse.Namespace) -> int:
     lengths = _lengths(args.long_prompts)
     for name in ("background", "long_repeats", "input_len", "output_len", "long_output_len"):
@@ -169,7 +180,6 @@ def run_interference_bench(args: argparse.Namespace) -> int:
                                               "long_repeats", "long_start", "long_rate", "long_output_len",
                                               "workload_seed")}
     with serving_target(args, headers, settings) as (base_url, vocab_size, model, clients, server):
-        engine = getattr(server, "engine", None)
         def body(prompt, max_tokens):
             return dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                         stream=True, stream_options={"continuous_usage_stats": True})
@@ -184,15 +194,15 @@ def run_interference_bench(args: argparse.Namespace) -> int:
         print(f"{len(streams)} streams of {args.input_len}+{args.output_len} tokens; long prompts of "
               f"{', '.join(map(str, long_lengths))} tokens from {args.long_start:g} s at {args.long_rate:g}/s",
               flush=True)
-        if engine is not None:
-            engine.step_log = deque(maxlen=STEP_LOG_STEPS)
+        if server is not None:
+            server.call_engine(start_step_log, STEP_LOG_STEPS)
         results, duration, _, t0 = clients.submit(send_all_sync, base_url, streams + long, arrivals,
                                                   args.timeout, headers).result()
-        steps = list(engine.step_log) if engine is not None else None
+        steps, async_scheduling = server.call_engine(take_step_log) if server is not None else (None, None)
     report = summarize(results[:len(streams)], results[len(streams):], long_at, duration)
     if steps is not None:
         report["engine_steps"] = step_report(steps, t0, report["window_s"], report["median_decode_step_s"],
-                                             engine.async_scheduling)
+                                             async_scheduling)
     w, t = report["itl_window_s"], report["ttft_long_s"]
     print_table([{"median step ms": _ms_value(report["median_decode_step_s"]), "ITL p50 ms": _ms_value(w["p50"]),
                   "ITL p99 ms": _ms_value(w["p99"]), "ITL p99.9 ms": _ms_value(w["p999"]),

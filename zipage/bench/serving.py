@@ -70,6 +70,9 @@ def add_serving_parser(sub) -> None:
                         help="the server's seconds between a stream's chunks (default: zipage serve's)")
     target.add_argument("--switch-interval", type=float, default=None,
                         help="the server's Python switch interval in seconds (default: zipage serve's)")
+    target.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="the server started here runs its engine in a process of its own, as zipage serve "
+                             "does (default: on; --workload runs keep it on the server's thread)")
     target.add_argument("--simulated-step", action="store_true",
                         help="no model: each engine step sleeps for --step-model's time (GIL released, as "
                              "a GPU step waits for the device)")
@@ -331,16 +334,16 @@ def run_random_bench(args: argparse.Namespace) -> int:
             bodies = [dict(model=model, prompt=prompt, max_tokens=args.output_len, temperature=args.temperature,
                            ignore_eos=True, stream=True, stream_options={"continuous_usage_stats": True})
                       for prompt in prompts]
-            steps = server.engine.stats.num_steps if server is not None else None
-            modelled = _runner_clock_ms(server.engine if server is not None else None)
+            steps, modelled = server.call_engine(_step_clock) if server is not None else (None, None)
             row = dict(rate="inf" if math.isinf(rate) else rate,
                        **clients.submit(run_rate_sync, base_url, bodies, at, args.timeout, headers).result())
             del row["request_lengths"]  # all the same here
             if server is not None:
-                row["engine_steps"] = server.engine.stats.num_steps - steps
+                steps_now, modelled_now = server.call_engine(_step_clock)
+                row["engine_steps"] = steps_now - steps
                 row["engine_steps_per_s"] = row["engine_steps"] / row["duration_s"]
-            if modelled is not None:
-                row["modelled_ms_per_step"] = (_runner_clock_ms(server.engine) - modelled) / max(row["engine_steps"], 1)
+                if modelled is not None:
+                    row["modelled_ms_per_step"] = (modelled_now - modelled) / max(row["engine_steps"], 1)
             rows.append(row)
             print(f"rate {row['rate']}: {row['completed']}/{row['num_requests']} done, "
                   f"{row['requests_per_s']:.2f} req/s, TTFT p50 {_ms(row['ttft_s']['p50'])}, "
@@ -598,29 +601,40 @@ def _app(engine, args):
 
 
 def _start_server(args):
-    """Build the engine and serve it on a free loopback port of this process."""
+    """Build the engine (in a process of its own with ``--engine-process``) and serve it on a free
+    loopback port of this process. The server returned has ``call_engine(fn, *args)``: ``fn(engine,
+    *args)`` run between the engine's steps (``fn`` module-level, for an engine process)."""
     from zipage.bench.replay import parse_step_model
     from zipage.cli import engine_kwargs
     from zipage.server.background import ServerThread
+    from zipage.server.engine_process import EngineProcess
 
     model_dir, load_format = model_dir_for(args.model, args.shape, args.arch)
     kwargs = engine_kwargs(args)
     if load_format == "dummy":
         kwargs["load_format"] = "dummy"
     if args.simulated_step:
-        engine = simulated_engine(model_dir, kwargs, parse_step_model(args.step_model), args.tensor_parallel_size)
+        factory, factory_args = simulated_engine, (model_dir, kwargs, parse_step_model(args.step_model),
+                                                   args.tensor_parallel_size)
     else:
-        engine = _engine(model_dir, kwargs)
-    app = _app(engine, args)
+        factory, factory_args = _engine, (model_dir, kwargs)
+    engine = EngineProcess(factory, factory_args) if args.engine_process else factory(*factory_args)
+    try:
+        app = _app(engine, args)
+        server = ServerThread(app)
+    except BaseException:
+        if args.engine_process:
+            engine.close()
+        raise
     vocab_size = args.vocab_size or engine.vocab_size
     described = {k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for k, v in kwargs.items()}
-    server = ServerThread(app)
-    server.engine = engine
-    described_server = {"in_process": args.model or args.shape, "device": str(engine.config.device),
-                        "engine": described, "stream_interval": app.state.engine.stream_interval,
+    server.call_engine = app.state.engine.call_engine_threadsafe
+    described_server = {"in_process": args.model or args.shape, "engine_process": args.engine_process,
+                        "device": str(engine.config.device), "engine": described,
+                        "stream_interval": app.state.engine.stream_interval,
                         "switch_interval": app.state.engine.switch_interval}
     if args.simulated_step:
-        described_server["simulated_step"] = engine.runner.model
+        described_server["simulated_step"] = server.call_engine(_step_model)
     return server, vocab_size, described_server
 
 
@@ -644,6 +658,15 @@ def simulated_engine(model_dir: str, kwargs: dict, step_model: dict, tensor_para
     config.resolve(spec.max_position)
     runner = SimulatedRunner(config, spec, step_model, sleep=True, token_range=token_range)
     return LLMEngine(config, runner=runner)
+
+
+def _step_model(engine) -> dict:
+    return engine.runner.model
+
+
+def _step_clock(engine) -> tuple[int, float | None]:
+    """The engine's steps so far, and the simulated runner's clock if it has one."""
+    return engine.stats.num_steps, _runner_clock_ms(engine)
 
 
 def _runner_clock_ms(engine) -> float | None:

@@ -15,6 +15,11 @@ takes its blocks chunk by chunk, and before each chunk compresses once it holds 
 blocks, as a decoding request does (the observation window: the last ``window`` prompt
 tokens computed), so it never holds more than N blocks plus one chunk.
 
+With asynchronous compression a step carries either prompt chunks or prompt compactions,
+not both: a compaction of the budget plus a chunk costs the device about what a chunk does,
+and a step with both took one and a half times as long as one with a chunk, every stream
+waiting on it.
+
 A chunk's cost against the token budget may count its attention too
 (``SchedulerConfig.prefill_attention_span``, off by default): a chunk deep into a long
 prompt attends to all that came before it, so it then gets fewer tokens, and a step that
@@ -299,8 +304,13 @@ class Scheduler:
             if not seq.prefilling or seq.status is not SequenceStatus.RUNNING or self._compressing(seq):
                 continue  # decoding, preempted by this schedule, or being compressed
             if seq.compress_prefill and needs_compression(seq, bm):
-                if not self._plan_prefill_compression(seq) or self.asynchronous:
-                    continue  # its next chunk waits for the compaction (or for room to plan it)
+                if self.asynchronous and chunks:
+                    continue  # a step with a prompt chunk compacts no prompt: this one waits a step
+                if not self._plan_prefill_compression(seq):
+                    continue  # its next chunk waits for room to plan the compaction
+                if self.asynchronous:
+                    budget = 0  # nor does a step that compacts a prompt carry another one's chunk
+                    continue  # its next chunk waits for the compaction
             if budget <= 0:
                 continue
             cached = seq.kv_len

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from zipage.engine.llm_engine import LLMEngine
+from zipage.server.engine_process import EngineProcess
 from zipage.server.async_engine import AsyncEngine, EngineFailed, EngineOverloaded, Generation
 from zipage.server.connections import log_accept_errors_at_a_bounded_rate
 from zipage.server.metrics import ServerMetrics
@@ -40,14 +41,15 @@ SWITCH_INTERVAL_S = None  # the interpreter's switch interval while serving (see
 PREPROCESS_WORKERS = 2  # threads that parse, render chat templates and tokenize (see Preprocessor)
 
 
-def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+def create_app(engine: LLMEngine | EngineProcess, model_name: str, api_key: str | None = None,
                max_queued_requests: int = 1024, stream_interval: float = STREAM_INTERVAL_S,
                switch_interval: float | None = SWITCH_INTERVAL_S, limits: RequestLimits | None = None,
                preprocess_workers: int = PREPROCESS_WORKERS, trust_request_chat_template: bool = False,
                escape_special_tokens: bool = True, metrics_need_key: bool = True,
                reasoning_parser: str | None = None, tool_call_parser: str | None = None,
                enable_auto_tool_choice: bool = False) -> FastAPI:
-    """An app serving ``engine`` as model ``model_name``; the engine thread runs while the app does.
+    """An app serving ``engine`` as model ``model_name``: an ``LLMEngine``, stepped on a thread of
+    this process while the app runs, or an ``EngineProcess``, stopped when the app stops.
 
     ``api_key``: every route but ``/health`` (and ``/metrics`` unless ``metrics_need_key``)
     needs ``Authorization: Bearer <api_key>``. ``limits`` bound what one call may ask for
@@ -268,7 +270,8 @@ class _Api:
         """Admit the call's requests, tokenize its prompts (``encode()``, on a worker thread) and add them.
 
         A structured output's grammar is compiled there too: the engine finds it in its compiler's
-        cache, so that a large schema does not hold up the engine thread, and every stream with it."""
+        cache, so that a large schema does not hold up the engine's steps, and every stream with
+        them (an engine process compiles it again off its steps: ``engine_process``)."""
         params = body.sampling_params(num_prompts)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         request_ids = [f"{response_id}-{i}" for i in range(len(params))]
@@ -554,9 +557,9 @@ def _encode_json(obj) -> str:
 def _sse(events, engine: AsyncEngine, generation: Generation) -> StreamingResponse:
     """Server-sent events of JSON chunks, ending with [DONE]; a client that leaves aborts its requests.
 
-    ``events`` yields lists of chunks, those of one hand-over from the engine thread, sent in one
-    write. The event loop runs this for every stream at every hand-over, holding the GIL that the
-    engine thread needs, so it is kept short.
+    ``events`` yields lists of chunks, those of one hand-over from the engine, sent in one write.
+    The event loop runs this for every stream at every hand-over, holding the GIL that an engine
+    on a thread of this process needs, so it is kept short.
     """
     async def stream():
         try:

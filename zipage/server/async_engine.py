@@ -1,9 +1,10 @@
-"""The engine behind the server: one background thread steps it; requests stream out.
+"""The API side of the engine: calls' requests go in as commands, their outputs stream out.
 
-``LLMEngine`` is not thread-safe, so only the engine thread touches it. The event
-loop hands it work as commands (add these requests, abort those) that the thread
-runs between steps, and the thread hands each step's outputs back to the loop,
-where they land with the API call that asked for them (``Generation``).
+``LLMEngine`` is not thread-safe, so only its ``EngineLoop`` touches it, on a thread of
+this process or in an engine process of its own (``engine_process.py``). The event loop
+hands it work as commands (add these requests, abort those) that it runs between steps,
+and it hands each step's outputs back to the event loop, where they land with the API call
+that asked for them (``Generation``).
 """
 
 from __future__ import annotations
@@ -11,15 +12,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import logging
 import sys
 import threading
 import time
 from typing import Callable
 
-from zipage.engine.llm_engine import LLMEngine
 from zipage.outputs import CompletionOutput, RequestOutput
 from zipage.sampling_params import SamplingParams
+from zipage.server.engine_loop import STOPPED, EngineLoop
+from zipage.server.engine_process import EngineProcess, EngineProcessError
 from zipage.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -105,44 +108,34 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
                          first.prompt_logprobs if first.prompt_logprobs is not None else last.prompt_logprobs)
 
 
-def budget_label(engine: LLMEngine, seq) -> str:
-    """A request's KV budget as a metrics label: "full" or its budget in tokens."""
-    if seq.max_blocks is None:
-        return "full"
-    params, compression = seq.sampling_params, engine.config.compression
-    return str(params.kv_budget_tokens or compression.kv_budget_tokens)
-
-
 class AsyncEngine:
-    """An ``LLMEngine`` stepped on its own thread, for many concurrent API calls.
+    """An engine stepped by an ``EngineLoop``, for many concurrent API calls: on a thread of this
+    process (``engine`` an ``LLMEngine``), or in a process of its own (an ``EngineProcess``).
+
+    The loop runs the calls' commands (add these requests, abort those) between steps and hands
+    back each round's outputs, which land here, on the event loop, with the API call that asked
+    for them (``Generation``); the metrics are updated here too, from the outputs and the load
+    the loop sends with them.
 
     ``max_queued_requests`` bounds the requests waiting beyond the ``max_num_seqs`` the
     engine runs: a call is admitted (``admit``) only if every engine request it would add
     (prompts x choices) fits, else it is refused whole with ``EngineOverloaded``. Admitted
     calls count from admission, while their prompts are still being tokenized.
 
-    Outputs are handed to the event loop at most every ``stream_interval`` seconds (a
-    request's first token, its end, and the engine going idle at once), merged per request.
-    The loop and the engine thread share the GIL, and the loop spends about 30 us of it per
-    chunk (asyncio, Starlette, h11, the socket): at 48 streams, a chunk per step slowed a
-    CPU engine's steps by about a quarter; 20 ms chunks cost a few per cent.
-
-    A step's outputs are handed over during the next step, once its model run is under way on
-    the device (``LLMEngine.step``'s ``async_callback``), as vLLM's asynchronous output
-    processing does: the loop then formats and sends them while the engine thread waits for
-    the device with the GIL released, rather than while it schedules and launches the step,
-    where each of its GIL releases let the loop in (on a CPU reproduction of a GPU step with 64
-    streams, about 61 -> 76 steps/s, as fast as the engine streams offline; docs/benchmarks.md).
-    When the engine goes idle, or a step runs no model, they are handed over at once.
+    Outputs are handed over at most every ``stream_interval`` seconds (a request's first token,
+    its end, and the engine going idle at once), merged per request, during the engine's next
+    step (see ``EngineLoop``). With the engine on a thread here, the loop and the engine thread
+    share the GIL, and the loop spends about 30 us of it per chunk (asyncio, Starlette, h11, the
+    socket): at 48 streams, a chunk per step slowed a CPU engine's steps by about a quarter;
+    20 ms chunks cost a few per cent. An engine process has an interpreter of its own.
 
     ``switch_interval`` (seconds, None: leave it) is set as the interpreter's switch interval
-    (``sys.setswitchinterval``) while the engine thread runs, and restored by ``stop``: a
-    thread that wants the GIL back waits up to that long for the holder to let go. On a
-    CPU reproduction of a GPU step, 0.1 ms did not step the engine faster than Python's
-    5 ms (docs/benchmarks.md); the option is there to check that on a GPU.
+    (``sys.setswitchinterval``) of the process the engine loop runs in while it runs (restored
+    by ``stop`` when that is this one): a thread that wants the GIL back waits up to that long
+    for the holder to let go.
     """
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
+    def __init__(self, engine, metrics: ServerMetrics | None = None,
                  max_queued_requests: int = 1024, stream_interval: float = 0.0,
                  switch_interval: float | None = None):
         if max_queued_requests < 0:
@@ -152,52 +145,57 @@ class AsyncEngine:
         if switch_interval is not None and not switch_interval > 0:
             raise ValueError(f"switch_interval must be > 0, got {switch_interval}")
         self.engine = engine
+        self.process: EngineProcess | None = engine if isinstance(engine, EngineProcess) else None
         self.metrics = metrics or ServerMetrics()
         self.max_queued_requests = max_queued_requests
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine_loop: EngineLoop | None = None  # on a thread of this process
         self._thread: threading.Thread | None = None
-        self._wake = threading.Condition()
-        self._commands: list[tuple[Callable, asyncio.Future | None]] = []
-        self._stopping = False
-        self._outputs: list[RequestOutput] = []  # engine thread: this round's outputs
-        self._held: list[RequestOutput] = []  # engine thread: outputs not yet handed to the loop
-        self._last_delivery = 0.0
-        self._flush_due = False  # engine thread: hand the held outputs over at the next chance
+        self._stopped = False
         self.stream_interval = stream_interval
         self.switch_interval = switch_interval
         self._saved_switch_interval: float | None = None
-        # engine thread: request id -> [arrival, last token time, KV budget label]
-        self._timing: dict[str, list] = {}
+        self._tokens = itertools.count()
+        self._pending: dict[int, tuple[asyncio.Future, Callable | None]] = {}  # command token -> its caller
+        self._timing: dict[str, list] = {}  # request id -> [arrival, last token time, KV budget label]
         self._budget_labels: set[str] = set()  # of the running-requests gauge's last update
-        self._generations: dict[str, Generation] = {}  # event loop: request id -> its API call
-        self._admitted = 0  # event loop: engine requests of admitted calls not yet added
+        self._generations: dict[str, Generation] = {}  # request id -> its API call
+        self._admitted = 0  # engine requests of admitted calls not yet added
         # Every request the engine runs or queues, and those admitted: past this, calls are refused.
         self.capacity = engine.config.scheduler.max_num_seqs + max_queued_requests
-        self.num_running = 0  # published by the engine thread after every step
-        bm = engine.block_manager
-        self.metrics.kv_blocks_total.set(bm.num_blocks)
+        self.num_running = 0  # as the engine loop last said
+        self._exited: str | None = None  # the engine process ended: why
+        num_blocks = self.process.num_blocks if self.process is not None else engine.block_manager.num_blocks
+        self.metrics.kv_blocks_total.set(num_blocks)
+        self._num_blocks = num_blocks
 
     # -- life cycle ---------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will await the results."""
+        """Start the engine loop; call from the event loop that will await the results."""
         self._loop = asyncio.get_running_loop()
         # What exists now (model, tokenizer, app) lives as long as the server: keep it out of the
         # garbage collector's full passes, which otherwise walk it again and again while serving.
         gc.collect()
         gc.freeze()
+        if self.process is not None:
+            self.process.start(self._from_thread, self.stream_interval, self.switch_interval)
+            return
         if self.switch_interval is not None:
             self._saved_switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(self.switch_interval)
-        self._thread = threading.Thread(target=self._run, name="zipage-engine", daemon=True)
+        self._engine_loop = EngineLoop(self.engine, self._from_thread, self.stream_interval)
+        self._thread = threading.Thread(target=self._engine_loop.run, name="zipage-engine", daemon=True)
         self._thread.start()
 
     async def stop(self, timeout: float = 30.0) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
+        self._stopped = True
+        if self.process is not None:
+            await asyncio.to_thread(self.process.close, timeout)
+        elif self._engine_loop is not None:
+            self._engine_loop.stop()
             await asyncio.to_thread(self._thread.join, timeout)
-        self._fail_all(EngineFailed("the server is shutting down"))
+        await asyncio.sleep(0)  # the loop's last messages, handed over with call_soon_threadsafe
+        self._fail_all(EngineFailed(STOPPED))
         if self._saved_switch_interval is not None:
             sys.setswitchinterval(self._saved_switch_interval)
             self._saved_switch_interval = None
@@ -205,24 +203,59 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        """The engine thread runs and the engine can still run steps."""
-        return self._thread is not None and self._thread.is_alive() and self.failure is None
+        """The engine loop runs and the engine can still run steps."""
+        if self.failure is not None:
+            return False
+        if self.process is not None:
+            return self._exited is None and self.process.alive
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def failure(self) -> str | None:
-        """Why the engine can run no more steps (``LLMEngine.failure``), or None."""
+        """Why the engine can run no more steps (``LLMEngine.failure``, or its process ended), or None."""
+        if self.process is not None:
+            return self._exited or self.process.failure
         return getattr(self.engine, "failure", None)
 
     # -- called from the event loop -------------------------------------------
-    async def call(self, fn: Callable):
-        """Run ``fn()`` on the engine thread between steps and return its result."""
-        future = self._loop.create_future()
-        self._submit(fn, future)
-        return await future
+    async def call(self, fn: Callable, *args):
+        """Run ``fn(*args)`` where the engine runs, between steps, and return its result (with an
+        engine process, ``fn`` and ``args`` must pickle: a module-level function)."""
+        return await self._command("call", fn, args, False)
+
+    async def call_engine(self, fn: Callable, *args):
+        """``fn(engine, *args)`` where the engine runs, between steps (see ``call``)."""
+        return await self._command("call", fn, args, True)
 
     def call_threadsafe(self, fn: Callable, timeout: float = 30.0):
         """``call`` from a thread other than the event loop's (tests, tools): block for the result."""
         return asyncio.run_coroutine_threadsafe(self.call(fn), self._loop).result(timeout)
+
+    def call_engine_threadsafe(self, fn: Callable, *args, timeout: float = 30.0):
+        """``call_engine`` from a thread other than the event loop's: block for the result."""
+        return asyncio.run_coroutine_threadsafe(self.call_engine(fn, *args), self._loop).result(timeout)
+
+    async def _command(self, kind: str, *payload, on_result: Callable | None = None):
+        token = next(self._tokens)
+        future = self._loop.create_future()
+        self._pending[token] = (future, on_result)
+        try:
+            self._send((kind, token, *payload))
+        except BaseException:
+            self._pending.pop(token, None)
+            raise
+        return await future
+
+    def _send(self, command: tuple) -> None:
+        if self._stopped:
+            raise EngineFailed(STOPPED)
+        if self.process is not None:
+            try:
+                self.process.send(command)
+            except EngineProcessError as error:
+                raise EngineFailed(str(error)) from None
+        elif self._engine_loop is None or not self._engine_loop.submit(command):
+            raise EngineFailed(STOPPED)
 
     def admit(self, num_requests: int) -> Admission:
         """Hold places for a call's ``num_requests`` engine requests until ``generate`` adds them
@@ -252,51 +285,74 @@ class AsyncEngine:
             admission = self.admit(len(request_ids))
         admission.close()  # its places pass to the requests, counted below from now on
         generation = Generation(request_ids)
+        arrival = time.perf_counter()
         for rid in request_ids:  # before they are added, so that no output is missed
             self._generations[rid] = generation
-        arrival = time.perf_counter()
+            self._timing[rid] = [arrival, None, None]
 
-        def add():
-            engine = self.engine
-            seqs = [engine.prepare_request(prompt, sp, rid) for prompt, sp, rid in zip(prompts, params, request_ids)]
-            for seq in seqs:
-                engine.add_sequence(seq, stream=True)
-                self._timing[seq.request_id] = [arrival, None, budget_label(engine, seq)]
-                self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
-            return [seq.num_prompt_tokens for seq in seqs]
+        def added(result) -> None:  # on the event loop, before any output of theirs
+            for rid, (num_prompt_tokens, label) in zip(request_ids, result):
+                timing = self._timing.get(rid)
+                if timing is not None:
+                    timing[2] = label
+                self.metrics.prompt_tokens.inc(num_prompt_tokens)
 
         try:
-            generation.num_prompt_tokens = await self.call(add)
+            result = await self._command("add", list(zip(prompts, params, request_ids)), on_result=added)
         except BaseException as error:
             for rid in request_ids:
                 self._generations.pop(rid, None)
+                self._timing.pop(rid, None)
             if not isinstance(error, ValueError):  # cancelled: the requests may have been added
                 self.abort(request_ids)
             raise
+        generation.num_prompt_tokens = [n for n, _ in result]
         return generation
 
     def abort(self, request_ids) -> None:
         """Abort requests (finished or unknown ones are skipped); their blocks are freed before the
-        next step. O(1) per request here and on the engine thread."""
+        next step. O(1) per request here and in the engine loop."""
         request_ids = list(request_ids)
         for rid in request_ids:
             self._generations.pop(rid, None)
+        with contextlib.suppress(EngineFailed):  # shutting down: the engine loop frees everything
+            self._send(("abort", None, request_ids))
 
-        def abort():
-            for rid in request_ids:
-                output = self.engine.abort_request(rid)
-                if output is not None:
-                    self._outputs.append(output)
+    # -- messages from the engine loop ----------------------------------------------------
+    def _from_thread(self, message: tuple) -> None:
+        """A message of the engine loop, from its thread or the engine process's reader thread."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile
+                loop.call_soon_threadsafe(self._on_message, message)
 
-        with contextlib.suppress(EngineFailed):  # shutting down: the engine thread frees everything
-            self._submit(abort, None)
-
-    def _submit(self, fn: Callable, future: asyncio.Future | None) -> None:
-        with self._wake:
-            if self._stopping:
-                raise EngineFailed("the server is shutting down")
-            self._commands.append((fn, future))
-            self._wake.notify()
+    def _on_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "outputs":
+            rounds, load = message[1], message[2]
+            self._observe(rounds, load)
+            for _, outputs in rounds:
+                self._deliver(outputs)
+        elif kind == "reply":
+            _, token, result, error = message
+            future, on_result = self._pending.pop(token, (None, None))
+            if future is None or future.done():  # the caller went away
+                return
+            if error is not None:
+                future.set_exception(error)
+                return
+            if on_result is not None:
+                on_result(result)
+            future.set_result(result)
+        elif kind == "failed":
+            self._fail_all(EngineFailed(message[1]))
+        elif kind == "exited":
+            self._exited = message[1] or STOPPED
+            for future, _ in self._pending.values():
+                if not future.done():
+                    future.set_exception(EngineFailed(self._exited))
+            self._pending.clear()
+            self._fail_all(EngineFailed(f"the engine can run no more steps: {self._exited}"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -324,132 +380,44 @@ class AsyncEngine:
         for generation in set(self._generations.values()):
             generation.put(error)
         self._generations.clear()
-
-    # -- the engine thread ----------------------------------------------------
-    def _run(self) -> None:
-        failure = EngineFailed("the server is shutting down")
-        try:
-            self._serve()
-        except BaseException as error:  # a bug outside a step: stop, but answer everyone first
-            logger.exception("the engine thread stopped")
-            failure = EngineFailed("internal error: the engine stopped")
-        with self._wake:
-            self._stopping = True  # no more commands are taken
-            commands, self._commands = self._commands, []
-        for _, future in commands:
-            if future is not None:
-                self._loop.call_soon_threadsafe(_resolve, future, None, failure)
-        self._loop.call_soon_threadsafe(self._fail_all, failure)
-        for rid in list(self._timing):  # free everything
-            try:
-                self.engine.abort_request(rid)
-            except Exception:  # noqa: BLE001
-                logger.exception("could not abort request %s", rid)
         self._timing.clear()
 
-    def _serve(self) -> None:
-        engine = self.engine
-        busy = False
-        while True:
-            with self._wake:
-                while not (self._commands or busy or self._stopping):
-                    self._wake.wait()
-                if self._stopping:
-                    return
-                commands, self._commands = self._commands, []
-            for fn, future in commands:
-                try:
-                    result, error = fn(), None
-                except Exception as e:  # noqa: BLE001 - handed to the caller
-                    result, error = None, e
-                    if future is None:
-                        logger.exception("engine command failed")
-                if future is not None:
-                    self._loop.call_soon_threadsafe(_resolve, future, result, error)
-            if engine.has_unfinished_requests():
-                try:
-                    outputs, stats = engine.step(async_callback=self._flush_if_due)
-                except Exception as error:  # noqa: BLE001 - keep serving the next requests
-                    logger.exception("engine step failed; aborting the requests in flight")
-                    self._flush()
-                    self._recover(error)
-                else:
-                    self._outputs.extend(outputs)
-                    if stats is not None:
-                        self.metrics.compressions.inc(stats.num_compressed)
-                        self.metrics.preemptions.inc(stats.num_preempted)
-            busy = engine.has_unfinished_requests()
-            outputs, self._outputs = self._outputs, []
-            urgent = self._observe(outputs)
-            self._held.extend(outputs)
-            if not busy or self._flush_due:  # idle, or the step ran no model to hand them over in
-                self._flush()
-            elif urgent or time.perf_counter() - self._last_delivery >= self.stream_interval:
-                self._flush_due = True  # handed over in the next step, while the device runs it
-
-    def _flush_if_due(self) -> None:
-        """The engine step's callback once its model run is under way on the device."""
-        if self._flush_due:
-            self._flush()
-
-    def _flush(self) -> None:
-        """Hand the held outputs to the event loop, in one callback."""
-        self._flush_due = False
-        if self._held:
-            held, self._held = self._held, []
-            self._last_delivery = time.perf_counter()
-            self._loop.call_soon_threadsafe(self._deliver, held)
-
-    def _recover(self, error: Exception) -> None:
-        for rid in list(self._timing):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:  # noqa: BLE001
-                logger.exception("could not abort request %s", rid)
-        self._timing.clear()
-        failure = EngineFailed("internal error: the engine failed a step; the requests in flight were aborted")
-        self._loop.call_soon_threadsafe(self._fail_all, failure)
-
-    def _observe(self, outputs: list[RequestOutput]) -> bool:
-        """Update the metrics after a round (engine thread); True if a request got its first token or ended."""
-        m, now = self.metrics, time.perf_counter()
-        urgent = False
-        for output in outputs:
-            timing = self._timing.get(output.request_id)
-            if timing is None:
-                continue
-            new_tokens = len(output.outputs[0].token_ids)
-            if new_tokens:
-                m.generation_tokens.inc(new_tokens)
-                m.generation_tokens_by_budget.labels(timing[2]).inc(new_tokens)
-                if timing[1] is None:
-                    m.ttft.observe(now - timing[0])
-                    urgent = True
-                else:
-                    m.itl.observe((now - timing[1]) / new_tokens)
-                timing[1] = now
-            if output.finished:
-                urgent = True
-                del self._timing[output.request_id]
-                m.finished.labels(output.outputs[0].finish_reason).inc()
-                m.latency.observe(now - timing[0])
-                m.finished_by_budget.labels(timing[2]).inc()
-                if output.metrics is not None:
-                    m.compressions_by_budget.labels(timing[2]).inc(output.metrics.num_compressions)
-                    m.evicted_by_budget.labels(timing[2]).inc(output.metrics.evicted_tokens)
-        scheduler, bm = self.engine.scheduler, self.engine.block_manager
-        self.num_running = len(scheduler.running)
+    def _observe(self, rounds: list[tuple[float, list[RequestOutput]]], load: dict) -> None:
+        """Update the metrics with the rounds' outputs (each at the time its round ended) and the load."""
+        m = self.metrics
+        for now, outputs in rounds:
+            for output in outputs:
+                timing = self._timing.get(output.request_id)
+                if timing is None:
+                    continue
+                new_tokens = len(output.outputs[0].token_ids)
+                label = timing[2] or "full"
+                if new_tokens:
+                    m.generation_tokens.inc(new_tokens)
+                    m.generation_tokens_by_budget.labels(label).inc(new_tokens)
+                    if timing[1] is None:
+                        m.ttft.observe(now - timing[0])
+                    else:
+                        m.itl.observe((now - timing[1]) / new_tokens)
+                    timing[1] = now
+                if output.finished:
+                    del self._timing[output.request_id]
+                    m.finished.labels(output.outputs[0].finish_reason).inc()
+                    m.latency.observe(now - timing[0])
+                    m.finished_by_budget.labels(label).inc()
+                    if output.metrics is not None:
+                        m.compressions_by_budget.labels(label).inc(output.metrics.num_compressions)
+                        m.evicted_by_budget.labels(label).inc(output.metrics.evicted_tokens)
+        m.compressions.inc(load["compressions"])
+        m.preemptions.inc(load["preemptions"])
+        self.num_running = load["running"]
         by_budget: dict[str, int] = dict.fromkeys(self._budget_labels, 0)
-        for seq in scheduler.running:
-            label = budget_label(self.engine, seq)
-            by_budget[label] = by_budget.get(label, 0) + 1
+        by_budget.update(load["by_budget"])
         for label, count in by_budget.items():  # labels seen before and now gone read 0
             m.running_by_budget.labels(label).set(count)
         self._budget_labels = set(by_budget)
-        used = bm.num_blocks - bm.num_free_blocks
-        m.set_load(self.num_running, len(scheduler.waiting), used / bm.num_blocks)
-        m.kv_blocks_used.set(used)
-        return urgent
+        m.set_load(self.num_running, load["waiting"], load["kv_blocks_used"] / self._num_blocks)
+        m.kv_blocks_used.set(load["kv_blocks_used"])
 
 
 class Admission:
@@ -469,11 +437,3 @@ class Admission:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _resolve(future: asyncio.Future, result, error: Exception | None) -> None:
-    if future.done():  # the caller went away
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

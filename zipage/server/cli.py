@@ -36,6 +36,10 @@ def add_serve_parser(sub) -> None:
                    help="the interpreter's thread switch interval in seconds while serving (sys.setswitchinterval; "
                         "default: Python's 0.005): how long the engine thread may wait for the GIL held by the "
                         "event loop")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own, so that the HTTP server's work (parsing requests, "
+                        "formatting streams) does not share its interpreter (default: on; --no-engine-process "
+                        "steps it on a thread of the server's process)")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS),
                    help="put a chat answer's thinking (<think>...</think>) in message.reasoning and "
                         "message.reasoning_content, apart from its content (docs/serving.md)")
@@ -151,6 +155,7 @@ def build_app(args: argparse.Namespace):
     from zipage import LLM
     from zipage.cli import engine_kwargs
     from zipage.server.app import STREAM_INTERVAL_S, create_app
+    from zipage.server.engine_process import EngineProcess, build_llm_engine
 
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
@@ -179,9 +184,17 @@ def build_app(args: argparse.Namespace):
                       enable_auto_tool_choice=args.enable_auto_tool_choice)
     if args.data_parallel_size > 1 or args.ray_address:
         return _build_router(args, key, limits, app_kwargs)
-    llm = LLM(args.model, **engine_kwargs(args))
-    return create_app(llm.engine, served_model_name(args), api_key=key,
-                      metrics_need_key=not args.unauthenticated_metrics, **app_kwargs)
+    if not args.engine_process:
+        llm = LLM(args.model, **engine_kwargs(args))
+        return create_app(llm.engine, served_model_name(args), api_key=key,
+                          metrics_need_key=not args.unauthenticated_metrics, **app_kwargs)
+    engine = EngineProcess(build_llm_engine, (args.model, engine_kwargs(args)))
+    try:
+        return create_app(engine, served_model_name(args), api_key=key,
+                          metrics_need_key=not args.unauthenticated_metrics, **app_kwargs)
+    except BaseException:
+        engine.close()
+        raise
 
 
 def _build_router(args: argparse.Namespace, key: str | None, limits, app_kwargs: dict):
@@ -217,7 +230,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from zipage.server.connections import uvicorn_config
 
     app = build_app(args)
-    serve(uvicorn_config(app, connection_limits(args), host=args.host, port=args.port, log_level=args.log_level))
+    try:
+        serve(uvicorn_config(app, connection_limits(args), host=args.host, port=args.port, log_level=args.log_level))
+    finally:  # the app stops its engine process when it stops; not if it never started
+        process = getattr(getattr(app.state, "engine", None), "process", None)
+        if process is not None:
+            process.close()
     return 0
 
 

@@ -1,0 +1,156 @@
+"""The server with its engine in a process of its own (``EngineProcess``): the same tokens as
+the engine offline, errors that cross the process boundary, a failed step, a dead engine
+process, and nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import TEST_DEVICE
+from zipage import SamplingParams
+from zipage.server.app import create_app
+from zipage.server.background import ServerThread
+from zipage.server.engine_process import EngineProcess, EngineProcessError, build_llm_engine
+
+MODEL = "tiny"
+TIMEOUT = 60
+FAIL_PROMPT = [7, 7, 7, 7, 7, 7, 7, 7, 7]  # faulty_engine's steps raise while a request with it runs
+
+
+def engine_kwargs(**options) -> dict:
+    kwargs = dict(device=TEST_DEVICE, dtype="float32", block_size=16, max_num_seqs=8, max_model_len=256)
+    if TEST_DEVICE != "cpu":
+        kwargs["kv_cache_memory_bytes"] = 1 << 28
+    return dict(kwargs, **options)
+
+
+def pool_state(engine) -> dict:
+    """What the engine holds (run where it runs)."""
+    manager = engine.block_manager
+    return {"unfinished": engine.has_unfinished_requests(), "used_blocks": manager.num_blocks - manager.num_free_blocks,
+            "held_refs": sum(1 for c in manager.ref_counts if c), "constrained": engine._num_constrained}
+
+
+def faulty_engine(model_dir: str, kwargs: dict):
+    """An engine whose steps raise while a request with FAIL_PROMPT runs."""
+    engine = build_llm_engine(model_dir, kwargs)
+    real_step = engine.step
+
+    def step(*args, **kw):
+        if any(list(seq.token_ids[:seq.num_prompt_tokens]) == FAIL_PROMPT for seq in engine.scheduler.running):
+            raise RuntimeError("injected step failure")
+        return real_step(*args, **kw)
+
+    engine.step = step
+    return engine
+
+
+def wait_until_idle(server, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (state := server.engine.call_engine_threadsafe(pool_state))["unfinished"]:
+        assert time.monotonic() < deadline, "requests still in the engine"
+        time.sleep(0.05)
+    assert state == {"unfinished": False, "used_blocks": 0, "held_refs": 0, "constrained": 0}
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint_dir):
+    return checkpoint_dir("qwen3")
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    process = EngineProcess(faulty_engine, (model_dir, engine_kwargs()))
+    app = create_app(process, MODEL, stream_interval=0.0)
+    with ServerThread(app) as server:
+        server.engine, server.process = app.state.engine, process
+        server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=TIMEOUT)
+        yield server
+    assert not process.process.is_alive() and process.process.exitcode == 0
+
+
+def test_the_engine_runs_in_another_process_and_answers_as_offline(served, model_dir):
+    from zipage import LLM
+
+    assert served.engine.call_threadsafe(os.getpid) == served.process.process.pid != os.getpid()
+    prompts = ["Let x = 12 and y = 30.", "The quick brown fox"]
+    with LLM(model_dir, **engine_kwargs()) as llm:
+        expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, want in zip(prompts, expected):
+        whole = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+        assert whole.choices[0].text == want.outputs[0].text and whole.usage.completion_tokens == 12
+        chunks = list(served.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+            stream_options={"continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks) == want.outputs[0].text
+        assert chunks[-1].usage.completion_tokens == 12
+    metrics = httpx.get(served.url + "/metrics", timeout=TIMEOUT).text
+    assert "zipage_generation_tokens_total 48.0" in metrics
+    assert "zipage_requests_finished_total{finish_reason=\"length\"} 4.0" in metrics
+    wait_until_idle(served)
+
+
+def test_the_engine_process_refuses_bad_requests_with_their_reason(served):
+    response = httpx.post(served.url + "/v1/completions", timeout=TIMEOUT,
+                          json={"model": MODEL, "prompt": [1, 2, 10**9], "max_tokens": 2})
+    assert response.status_code == 400 and "prompt token ids must be in [0," in response.json()["error"]["message"]
+    # A parameter only the engine judges: its error names it across the process boundary.
+    response = httpx.post(served.url + "/v1/completions", timeout=TIMEOUT,
+                          json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "thinking_token_budget": 4})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "thinking_token_budget"
+    wait_until_idle(served)
+
+
+def test_a_failed_step_fails_its_calls_and_the_engine_serves_on(served):
+    response = httpx.post(served.url + "/v1/completions", timeout=TIMEOUT,
+                          json={"model": MODEL, "prompt": FAIL_PROMPT, "max_tokens": 4})
+    assert response.status_code == 500 and "Traceback" not in response.text
+    wait_until_idle(served)
+    ok = served.client.completions.create(model=MODEL, prompt="hello", max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens == 3
+    assert httpx.get(served.url + "/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_a_client_that_leaves_aborts_its_request_in_the_engine_process(served):
+    with httpx.stream("POST", served.url + "/v1/completions", timeout=TIMEOUT,
+                      json={"model": MODEL, "prompt": "abc", "max_tokens": 200, "stream": True,
+                            "ignore_eos": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk read: leave
+    wait_until_idle(served)
+
+
+def test_a_bad_option_is_raised_where_the_engine_process_is_made(model_dir):
+    with pytest.raises(ValueError, match="block_size"):
+        EngineProcess(build_llm_engine, (model_dir, engine_kwargs(block_size=-3)))
+    with pytest.raises(EngineProcessError, match="no_such_dir|does not|not found|No such"):
+        EngineProcess(build_llm_engine, ("/no_such_dir/model", engine_kwargs()))
+
+
+def test_a_dead_engine_process_fails_the_calls_and_health(model_dir):
+    process = EngineProcess(build_llm_engine, (model_dir, engine_kwargs()))
+    app = create_app(process, MODEL, stream_interval=0.0)
+    with ServerThread(app) as server:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=TIMEOUT,
+                          json={"model": MODEL, "prompt": "abc", "max_tokens": 240, "stream": True,
+                                "ignore_eos": True}) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            os.kill(process.process.pid, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert any("the engine can run no more steps" in line for line in rest) and rest[-1] == "data: [DONE]"
+        health = httpx.get(server.url + "/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and "exit code -9" in health.json()["error"]["message"]
+        refused = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT,
+                             json={"model": MODEL, "prompt": "abc", "max_tokens": 2})
+        assert refused.status_code == 503 and "Traceback" not in refused.text
+    assert process.exited and not process.process.is_alive()
