@@ -154,3 +154,39 @@ def test_a_dead_engine_process_fails_the_calls_and_health(model_dir):
                              json={"model": MODEL, "prompt": "abc", "max_tokens": 2})
         assert refused.status_code == 503 and "Traceback" not in refused.text
     assert process.exited and not process.process.is_alive()
+
+
+def test_structured_outputs_are_checked_here_and_applied_in_the_engine_process(served):
+    pytest.importorskip("xgrammar")
+
+    def complete(structured, **extra):
+        return httpx.post(served.url + "/v1/completions", timeout=TIMEOUT,
+                          json={"model": MODEL, "prompt": "colour:", "max_tokens": 16, "temperature": 0,
+                                "structured_outputs": structured, **extra})
+
+    colours = ["red", "green", "blue"]
+    response = complete({"choice": colours})
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] in colours
+    response = complete({"regex": "[0-9]{3}"})
+    assert response.status_code == 200 and response.json()["choices"][0]["text"].isdigit()
+    assert len(response.json()["choices"][0]["text"]) == 3
+    response = complete({"regex": "(unclosed"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs"
+    wait_until_idle(served)
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="two ranks on the CPU (gloo); one GPU holds one rank")
+def test_a_tensor_parallel_engine_runs_in_the_engine_process(model_dir):
+    """The engine process starts its own follower process (it is no daemon) and stops it."""
+    from zipage import LLM
+
+    with LLM(model_dir, **engine_kwargs()) as llm:
+        want = llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    process = EngineProcess(build_llm_engine, (model_dir, engine_kwargs(tensor_parallel_size=2)))
+    app = create_app(process, MODEL)
+    with ServerThread(app) as server:
+        response = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT,
+                              json={"model": MODEL, "prompt": "hello there", "max_tokens": 6, "temperature": 0,
+                                    "ignore_eos": True})
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == want[0].outputs[0].text
+    assert process.process.exitcode == 0

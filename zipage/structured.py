@@ -110,6 +110,18 @@ def _xgrammar():
     return xgrammar
 
 
+def grammar_compiler_for(runner_name: str, supported: bool, tokenizer, vocab_size: int,
+                         stop_token_ids, disable_any_whitespace: bool) -> GrammarCompiler:
+    """The ``GrammarCompiler`` of an engine whose runner is ``runner_name``, or the ValueError a
+    request for structured outputs gets when the runner (``supported``) or the checkpoint (no
+    tokenizer) cannot apply one."""
+    if not supported:
+        raise ValueError(f"structured_outputs: this engine's runner ({runner_name}) does not apply token bitmasks")
+    if tokenizer is None:
+        raise ValueError("structured_outputs needs the checkpoint's tokenizer, and this one has none")
+    return GrammarCompiler(tokenizer, vocab_size, sorted(stop_token_ids), any_whitespace=not disable_any_whitespace)
+
+
 class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` for one tokenizer and model vocabulary (thread-safe;
     compiled grammars are kept in xgrammar's cache, bounded by ``CACHE_LIMIT_BYTES``, so a schema

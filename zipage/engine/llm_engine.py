@@ -236,16 +236,12 @@ class LLMEngine:
         a server may compile a request's grammar ahead, off the engine's thread)."""
         with self._grammar_lock:
             if self._grammar_compiler is None:
-                if not getattr(self.runner, "supports_structured_outputs", False):
-                    raise ValueError(f"structured_outputs: this engine's runner ({type(self.runner).__name__}) "
-                                     "does not apply token bitmasks")
-                if self.tokenizer is None:
-                    raise ValueError("structured_outputs needs the checkpoint's tokenizer, and this one has none")
-                from zipage.structured import GrammarCompiler
+                from zipage.structured import grammar_compiler_for
 
-                self._grammar_compiler = GrammarCompiler(
-                    self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
-                    any_whitespace=not self.config.structured_outputs_disable_any_whitespace)
+                self._grammar_compiler = grammar_compiler_for(
+                    type(self.runner).__name__, getattr(self.runner, "supports_structured_outputs", False),
+                    self.tokenizer, self.vocab_size, self.eos_token_ids,
+                    self.config.structured_outputs_disable_any_whitespace)
             return self._grammar_compiler
 
     def add_sequence(self, seq: Sequence, stream: bool = False) -> None:

@@ -110,16 +110,11 @@ class EngineProcess:
         here (the engine process compiles its own)."""
         with self._grammar_lock:
             if self._grammar_compiler is None:
-                if not self.supports_structured_outputs:
-                    raise ValueError(f"structured_outputs: this engine's runner ({self.runner_name}) does not "
-                                     "apply token bitmasks")
-                if self.tokenizer is None:
-                    raise ValueError("structured_outputs needs the checkpoint's tokenizer, and this one has none")
-                from zipage.structured import GrammarCompiler
+                from zipage.structured import grammar_compiler_for
 
-                self._grammar_compiler = GrammarCompiler(
-                    self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
-                    any_whitespace=not self.config.structured_outputs_disable_any_whitespace)
+                self._grammar_compiler = grammar_compiler_for(
+                    self.runner_name, self.supports_structured_outputs, self.tokenizer, self.vocab_size,
+                    self.eos_token_ids, self.config.structured_outputs_disable_any_whitespace)
             return self._grammar_compiler
 
     @property
@@ -256,6 +251,7 @@ def _serve(conn, engine, stream_interval: float, switch_interval: float | None) 
 
     threading.Thread(target=read, name="zipage-engine-commands", daemon=True).start()
     loop.run()
+    gc.unfreeze()  # what was frozen may go again (and extension modules tear down cleanly)
 
 
 def _compile_grammars(engine, requests: list[tuple]) -> None:
