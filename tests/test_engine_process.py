@@ -190,3 +190,31 @@ def test_a_tensor_parallel_engine_runs_in_the_engine_process(model_dir):
                                     "ignore_eos": True})
         assert response.status_code == 200 and response.json()["choices"][0]["text"] == want[0].outputs[0].text
     assert process.process.exitcode == 0
+
+
+def test_ctrl_c_is_left_to_the_server_and_sigterm_stops_the_engine_cleanly(model_dir):
+    """SIGINT (a terminal's Ctrl-C reaches the process group) does not stop the engine process:
+    the server's process stops it. SIGTERM does, cleanly: the calls in flight get an error that
+    says so, /health answers 503, and the process exits with 0."""
+    process = EngineProcess(build_llm_engine, (model_dir, engine_kwargs()))
+    app = create_app(process, MODEL, stream_interval=0.0)
+    with ServerThread(app) as server:
+        os.kill(process.process.pid, signal.SIGINT)
+        ok = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT,
+                        json={"model": MODEL, "prompt": "abc", "max_tokens": 3})
+        assert ok.status_code == 200 and process.process.is_alive()
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=TIMEOUT,
+                          json={"model": MODEL, "prompt": "abc", "max_tokens": 240, "stream": True,
+                                "ignore_eos": True}) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            os.kill(process.process.pid, signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert any("stopped (SIGTERM)" in line for line in rest) and rest[-1] == "data: [DONE]"
+        deadline = time.monotonic() + TIMEOUT
+        while not process.exited:  # the server's reader thread joins the process
+            assert time.monotonic() < deadline, "the engine process did not exit"
+            time.sleep(0.05)
+        assert process.process.exitcode == 0
+        health = httpx.get(server.url + "/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and "SIGTERM" in health.json()["error"]["message"]

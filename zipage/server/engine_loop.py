@@ -53,6 +53,7 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._commands: list[tuple] = []
         self._stopping = False
+        self.why_stopped = STOPPED  # what the requests in flight are told when the loop stops
         self._outputs: list = []  # this round's outputs (a step's, and those of aborts)
         self._held: list[tuple[float, list]] = []  # rounds not yet emitted: (end time, outputs)
         self._counts = [0, 0]  # compressions, preemptions since the last emission
@@ -71,20 +72,23 @@ class EngineLoop:
             self._wake.notify()
             return True
 
-    def stop(self) -> None:
+    def stop(self, why: str = STOPPED) -> None:
+        """Stop after the step under way; ``why`` is what the requests in flight are told."""
         with self._wake:
+            if not self._stopping:
+                self.why_stopped = why
             self._stopping = True
             self._wake.notify()
 
     # -- the engine's thread ----------------------------------------------------
     def run(self) -> None:
         """Serve until ``stop``; then answer the commands left and free every request."""
-        failure = STOPPED
         try:
             self._serve()
+            failure = self.why_stopped
         except BaseException:  # a bug outside a step: stop, but answer everyone first
             logger.exception("the engine loop stopped")
-            failure = "internal error: the engine stopped"
+            failure = self.why_stopped = "internal error: the engine stopped"
         with self._wake:
             self._stopping = True  # no more commands are taken
             commands, self._commands = self._commands, []

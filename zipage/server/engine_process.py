@@ -22,6 +22,7 @@ import gc
 import logging
 import multiprocessing
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -151,14 +152,15 @@ class EngineProcess:
             if message[0] == "outputs":
                 self.failure = message[2]["failure"]
             if message[0] == "stopped":
+                self.failure = message[1]
                 break
             on_message(message)
-        self.exited = True
         self.process.join(10)
         code = self.process.exitcode
         if code not in (0, None):
             self.failure = f"the engine process exited (exit code {code})"
             logger.error("%s", self.failure)
+        self.exited = True  # after the join: a caller seeing it finds the exit code
         on_message(("exited", self.failure))
 
     def close(self, timeout: float = 30.0) -> None:
@@ -188,6 +190,9 @@ class EngineProcess:
 # -- the child process ---------------------------------------------------------------------------
 def _child_main(conn, factory: Callable, args: tuple, log_level: int) -> None:
     logging.basicConfig(level=log_level, format="%(levelname)s [engine] %(name)s: %(message)s")
+    # Ctrl-C in a terminal reaches the whole process group: the server's process stops this one
+    # (and its tensor-parallel followers, which inherit the ignoring) when it has shut down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = factory(*args)
     except BaseException as error:  # noqa: BLE001 - told to the server, which raises it
@@ -205,17 +210,19 @@ def _child_main(conn, factory: Callable, args: tuple, log_level: int) -> None:
         message = conn.recv()
     except (EOFError, OSError):
         message = ("stop",)
+    why = None
     if message[0] == "start":
-        _serve(conn, engine, *message[1:])
+        why = _serve(conn, engine, *message[1:])
     engine.close()
     try:
-        conn.send(("stopped",))
+        conn.send(("stopped", None if why == STOPPED else why))
     except (OSError, ValueError):
         pass
     conn.close()
 
 
-def _serve(conn, engine, stream_interval: float, switch_interval: float | None) -> None:
+def _serve(conn, engine, stream_interval: float, switch_interval: float | None) -> str:
+    """Serve the server's commands until told to stop (or the pipe closes, or SIGTERM); why it stopped."""
     lock = threading.Lock()
 
     def emit(message: tuple) -> None:
@@ -250,8 +257,12 @@ def _serve(conn, engine, stream_interval: float, switch_interval: float | None) 
         loop.stop()
 
     threading.Thread(target=read, name="zipage-engine-commands", daemon=True).start()
+    # SIGTERM (an operator, a supervisor stopping the process group): the requests in flight get
+    # an error, and the process ends cleanly.
+    signal.signal(signal.SIGTERM, lambda *_: loop.stop("the engine process was stopped (SIGTERM)"))
     loop.run()
     gc.unfreeze()  # what was frozen may go again (and extension modules tear down cleanly)
+    return loop.why_stopped
 
 
 def _compile_grammars(engine, requests: list[tuple]) -> None:
