@@ -196,7 +196,10 @@ def _child_main(conn, factory: Callable, args: tuple, log_level: int) -> None:
     try:
         engine = factory(*args)
     except BaseException as error:  # noqa: BLE001 - told to the server, which raises it
-        logger.exception("the engine could not be built")
+        if isinstance(error, ValueError):  # a bad option: the server says which
+            logger.error("the engine could not be built: %s", error)
+        else:
+            logger.exception("the engine could not be built")
         conn.send(("error", "ValueError" if isinstance(error, ValueError) else type(error).__name__, str(error)))
         conn.close()
         return
