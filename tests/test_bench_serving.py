@@ -51,6 +51,7 @@ def test_serving_benchmark_with_a_simulated_gpu_step(tmp_path):
     result = check_result(tmp_path / "serving.json")
     server = result["settings"]["server"]
     assert server["simulated_step"]["a"] == 2.0 and server["switch_interval"] == 0.00123
+    assert server["engine_process"]  # the default, as zipage serve's
     for row in result["rates"]:
         assert row["engine_steps"] > 0 and row["engine_steps_per_s"] > 0
         assert row["modelled_ms_per_step"] > 0
@@ -90,7 +91,7 @@ def test_standard_workload_with_a_simulated_step(tmp_path):
     tokens from per-step outputs."""
     code = cli_main(["bench", "serve", "--shape", "tiny", *WORKLOAD, "--modes", "zipage", "--simulated-step",
                      "--step-model", "1,0,0,1,0", "--sides", "online,offline-streamed,offline",
-                     "--out", str(tmp_path)])
+                     "--no-engine-process", "--out", str(tmp_path)])
     assert code == 0
     run = json.loads((tmp_path / "serving.json").read_text())["modes"]["zipage"]
     assert run["online"]["modelled_ms_per_step"] > 0 and run["offline"]["engine_steps"] > 0

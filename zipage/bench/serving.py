@@ -72,7 +72,7 @@ def add_serving_parser(sub) -> None:
                         help="the server's Python switch interval in seconds (default: zipage serve's)")
     target.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="the server started here runs its engine in a process of its own, as zipage serve "
-                             "does (default: on; --workload runs keep it on the server's thread)")
+                             "does (default: on; --no-engine-process: on a thread of the server's process)")
     target.add_argument("--simulated-step", action="store_true",
                         help="no model: each engine step sleeps for --step-model's time (GIL released, as "
                              "a GPU step waits for the device)")
@@ -334,12 +334,12 @@ def run_random_bench(args: argparse.Namespace) -> int:
             bodies = [dict(model=model, prompt=prompt, max_tokens=args.output_len, temperature=args.temperature,
                            ignore_eos=True, stream=True, stream_options={"continuous_usage_stats": True})
                       for prompt in prompts]
-            steps, modelled = server.call_engine(_step_clock) if server is not None else (None, None)
+            steps, _, modelled = server.call_engine(_step_counters) if server is not None else (None, None, None)
             row = dict(rate="inf" if math.isinf(rate) else rate,
                        **clients.submit(run_rate_sync, base_url, bodies, at, args.timeout, headers).result())
             del row["request_lengths"]  # all the same here
             if server is not None:
-                steps_now, modelled_now = server.call_engine(_step_clock)
+                steps_now, _, modelled_now = server.call_engine(_step_counters)
                 row["engine_steps"] = steps_now - steps
                 row["engine_steps_per_s"] = row["engine_steps"] / row["duration_s"]
                 if modelled is not None:
@@ -479,40 +479,43 @@ class _WorkloadRun:
                                              / result["offline"]["output_tokens_per_s"])
         return result
 
-    def _engine(self, mode: str):
-        """A fresh engine of ``mode``, warmed up as bench throughput's."""
+    def _engine(self, mode: str, in_process: bool = False):
+        """A fresh engine of ``mode``, warmed up as bench throughput's (``in_process``: built and
+        warmed up in an ``EngineProcess``), and its options."""
         import torch
 
-        from zipage.bench.throughput import engine_kwargs, kv_dtype, warm_up
+        from zipage.bench.throughput import engine_kwargs, kv_dtype
+        from zipage.server.engine_process import EngineProcess
 
         settings, model_dir, load_format, requests, cache_tokens = self.build
         dtype = torch.bfloat16 if self.step_model else kv_dtype(self.wargs)  # a simulated step is a GPU's
         kwargs, opts = engine_kwargs(mode, self.wargs, settings, model_dir, requests, cache_tokens, dtype)
-        if self.step_model is not None:
-            engine = simulated_engine(model_dir, kwargs, self.step_model, self.wargs.tensor_parallel_size)
-        else:
-            engine = _engine(model_dir, dict(kwargs, load_format=load_format))
-        _off_main_thread(warm_up, engine, engine.runner, opts, requests)
-        return engine, opts
+        build = (model_dir, kwargs, load_format, self.step_model, self.wargs.tensor_parallel_size, opts, requests)
+        if in_process:
+            return EngineProcess(_warmed_engine, build), opts
+        return _off_main_thread(_warmed_engine, *build), opts
 
     def _online(self, mode: str, clients) -> tuple[dict, dict]:
         from zipage.server.background import ServerThread
 
-        engine, opts = self._engine(mode)
+        engine, opts = self._engine(mode, in_process=self.args.engine_process)
         try:
-            with ServerThread(_app(engine, self.args)) as server:
+            app = _app(engine, self.args)
+            with ServerThread(app) as server:
+                call = app.state.engine.call_engine_threadsafe
                 _warm_clients(clients, server.url, BENCH_MODEL, self.headers)
                 bodies = [stream_body(BENCH_MODEL, r.prompt, p) for r, p in zip(self.requests, self.params)]
                 at = arrivals(self.rate, len(bodies), np.random.default_rng(self.wargs.seed))
-                steps, host_s, modelled = engine.stats.num_steps, engine.stats.host_s, _runner_clock_ms(engine)
+                steps, host_s, modelled = call(_step_counters)
                 row = clients.submit(run_rate_sync, server.url, bodies, at, self.args.timeout,
                                      self.headers).result()
-                row["engine_steps"] = engine.stats.num_steps - steps
+                steps_now, host_now, modelled_now = call(_step_counters)
+                row["engine_steps"] = steps_now - steps
                 row["engine_steps_per_s"] = row["engine_steps"] / row["duration_s"]
-                row["host_ms_per_step"] = 1000 * (engine.stats.host_s - host_s) / max(row["engine_steps"], 1)
-                row["step_gaps"] = step_gaps(engine, row["engine_steps"])
+                row["host_ms_per_step"] = 1000 * (host_now - host_s) / max(row["engine_steps"], 1)
+                row["step_gaps"] = call(step_gaps, row["engine_steps"])
                 if modelled is not None:
-                    row["modelled_ms_per_step"] = (_runner_clock_ms(engine) - modelled) / max(row["engine_steps"], 1)
+                    row["modelled_ms_per_step"] = (modelled_now - modelled) / max(row["engine_steps"], 1)
         finally:
             engine.close()
         return row, opts
@@ -523,6 +526,24 @@ class _WorkloadRun:
             return _off_main_thread(offline_run, engine, self.requests, self.params, stream), opts
         finally:
             engine.close()
+
+
+def _warmed_engine(model_dir: str, kwargs: dict, load_format: str, step_model: dict | None,
+                   tensor_parallel_size: int, opts: dict, requests):
+    """An engine for a workload run (simulated with ``step_model``), warmed up as bench throughput's."""
+    from zipage.bench.throughput import warm_up
+
+    if step_model is not None:
+        engine = simulated_engine(model_dir, kwargs, step_model, tensor_parallel_size)
+    else:
+        engine = _engine(model_dir, dict(kwargs, load_format=load_format))
+    warm_up(engine, engine.runner, opts, requests)
+    return engine
+
+
+def _step_counters(engine) -> tuple[int, float, float | None]:
+    """The engine's steps and host seconds so far, and the simulated runner's clock if any."""
+    return engine.stats.num_steps, engine.stats.host_s, _runner_clock_ms(engine)
 
 
 def _off_main_thread(fn, *args):
@@ -662,11 +683,6 @@ def simulated_engine(model_dir: str, kwargs: dict, step_model: dict, tensor_para
 
 def _step_model(engine) -> dict:
     return engine.runner.model
-
-
-def _step_clock(engine) -> tuple[int, float | None]:
-    """The engine's steps so far, and the simulated runner's clock if it has one."""
-    return engine.stats.num_steps, _runner_clock_ms(engine)
 
 
 def _runner_clock_ms(engine) -> float | None:
