@@ -11,11 +11,12 @@
 #   serve:  the long-prompt latency benchmark, one run per entry of RUNS; pieces on (the default).
 # Usage: [RESULTS=dir] [RUNS="512 512:8192 512z"] [SPAN=8192] [ZIPAGE=1 [CHUNK=512]]
 #        bash scripts/gpu_piecewise.sh [tests|chunks|serve|all]
-#        (default all). RUNS lists the serve runs, each CHUNK[:SPAN][z]: chunks of CHUNK tokens
+#        (default all). RUNS lists the serve runs, each CHUNK[:SPAN][z][t]: chunks of CHUNK tokens
 #        (--max-num-batched-tokens), costed by attention over SPAN keys (--prefill-attention-span,
 #        a number or "model"), z for Zipage (budget 2,048, prompts compressed between their chunks,
-#        so a chunk attends to at most the budget plus itself). SPAN is the chunks run's
-#        --prefill-attention-span (0: plain chunks).
+#        so a chunk attends to at most the budget plus itself), t for the engine on a thread of
+#        the server (--no-engine-process). SPAN is the chunks run's --prefill-attention-span (0:
+#        plain chunks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
@@ -44,9 +45,10 @@ if [[ $what == chunks || $what == all ]]; then
 fi
 if [[ $what == serve || $what == all ]]; then
   for run in ${RUNS:-512 512:8192 512z}; do
-    spec=${run%z}; chunk=${spec%%:*}; extra=()
+    spec=${run%t}; spec=${spec%z}; chunk=${spec%%:*}; extra=()
     [[ $spec == *:* ]] && extra=(--prefill-attention-span "${spec#*:}")
-    [[ $run == *z ]] && extra+=(--kv-budget-tokens 2048 --prefill-compression always)
+    [[ ${run%t} == *z ]] && extra+=(--kv-budget-tokens 2048 --prefill-compression always)
+    [[ $run == *t ]] && extra+=(--no-engine-process)
     stamp "long prompts among 128 streams: chunks of $chunk ${extra[*]}"
     timeout 130 python3 -m zipage.cli bench serve --shape qwen3-8b --background 128 --input-len 128 \
       --output-len 3000 --long-prompts 8192,16384,32768 --long-repeats 2 --long-start 4 --long-rate 0.5 \
