@@ -144,14 +144,15 @@ def check_reply(request: dict, reply: dict) -> list[str]:
     return [f"{request['path']} {body}: {p}" for p in problems]
 
 
-async def soak(url: str, recorder: StepRecorder) -> tuple[list[str], int, int]:
-    """Clients that call until the engine has run ``STEPS`` steps; (problems, completed, abandoned)."""
+async def soak(url: str, steps_run, steps: int = STEPS) -> tuple[list[str], int, int]:
+    """Clients that call until the engine has run ``steps`` steps (``steps_run()``: those so far);
+    (problems, completed, abandoned)."""
     problems, counts = [], {"completed": 0, "abandoned": 0}
 
     async def client_loop(seed: int) -> None:
         rng = random.Random(seed)
         async with httpx.AsyncClient(base_url=url + "/v1", timeout=TIMEOUT) as client:
-            while len(recorder.host_s) < STEPS:
+            while steps_run() < steps:
                 request = random_request(rng)
                 call = streamed if request["body"]["stream"] else unstreamed
                 reply = await call(client, request["path"], request["body"], request["leave"])
@@ -187,7 +188,7 @@ def leftovers(server) -> dict:
 def test_soak_server_mixed_clients_leave_nothing_behind(server):
     recorder = StepRecorder(server.engine)
     start = time.perf_counter()
-    problems, completed, abandoned = asyncio.run(soak(server.url, recorder))
+    problems, completed, abandoned = asyncio.run(soak(server.url, lambda: len(recorder.host_s)))
     # Aborts of the last disconnects are commands the engine thread runs, and a cancelled call's
     # handler forgets its request on the event loop after that: wait for both, within a bound.
     deadline = time.monotonic() + 30
@@ -207,3 +208,48 @@ def test_soak_server_mixed_clients_leave_nothing_behind(server):
                      "server_requests": 0}
     growth = (deciles[-1]["rss_mb"] - deciles[1]["rss_mb"]) * 2**20
     assert growth < RSS_GROWTH_BOUND, f"resident memory grew {growth / 2**20:.1f} MB after the first decile"
+
+
+# -- the same clients against the engine in a process of its own (zipage serve's default) -------
+def engine_leftovers(engine) -> dict:
+    """What a finished request should have given back, in the engine process."""
+    bm = engine.block_manager
+    return {"unfinished": engine.has_unfinished_requests(), "blocks_in_use": bm.num_blocks - bm.num_free_blocks,
+            "referenced_blocks": sum(c != 0 for c in bm.ref_counts),
+            "engine_requests": len(engine._requests) + len(engine._detokenizers) + len(engine._streamed)}
+
+
+def engine_steps(engine) -> int:
+    return engine.stats.num_steps
+
+
+def test_soak_with_the_engine_in_its_own_process_leaves_nothing_behind(checkpoint_dir):
+    from tests.conftest import TEST_DEVICE
+    from zipage.server.engine_process import EngineProcess, build_llm_engine
+
+    kwargs = dict(device=TEST_DEVICE, dtype="float32", block_size=16, max_num_seqs=16, max_model_len=256)
+    if TEST_DEVICE != "cpu":
+        kwargs["kv_cache_memory_bytes"] = 1 << 28
+    process = EngineProcess(build_llm_engine, (checkpoint_dir("qwen3"), kwargs))
+    app = create_app(process, MODEL)
+    with ServerThread(app) as server:
+        async_engine = app.state.engine
+        seen = {"steps": 0, "at": 0.0}
+
+        def steps_run() -> int:  # asked of the engine process at most every 0.2 s
+            if time.monotonic() - seen["at"] > 0.2:
+                seen["steps"], seen["at"] = async_engine.call_engine_threadsafe(engine_steps), time.monotonic()
+            return seen["steps"]
+
+        problems, completed, abandoned = asyncio.run(soak(server.url, steps_run, STEPS // 2))
+        deadline = time.monotonic() + 30
+        while (state := async_engine.call_engine_threadsafe(engine_leftovers))["unfinished"] or (
+                state["engine_requests"] or async_engine._generations or async_engine._timing):
+            if time.monotonic() > deadline:
+                break  # the assertions below name what was left
+            time.sleep(0.05)
+        assert not problems, "\n".join(problems[:10])
+        assert completed > 0 and abandoned > 0
+        assert state == {"unfinished": False, "blocks_in_use": 0, "referenced_blocks": 0, "engine_requests": 0}
+        assert not async_engine._generations and not async_engine._timing and not async_engine._pending
+    assert process.process.exitcode == 0
