@@ -203,7 +203,8 @@ def test_long_prompts_among_decoding_streams(tmp_path, chunked):
                      # of a few ms here): the window (a few steps) holds the streams' gaps
                      "--stream-interval", "0",
                      "--max-num-batched-tokens", "64" if chunked else "512", "--out", str(out),
-                     *([] if chunked else ["--no-chunked-prefill"])])
+                     *([] if chunked else ["--no-chunked-prefill"]),
+                     *(["--profile-window", "0.2"] if chunked else [])])
     assert code == 0
     result = json.loads((out / "serving.json").read_text())
     assert result["benchmark"] == "serving-interference" and result["failed"] == 0
@@ -224,6 +225,11 @@ def test_long_prompts_among_decoding_streams(tmp_path, chunked):
     assert sum(k["steps"] for k in steps["by_kind"].values()) == steps["steps"]
     assert any(kind.startswith("chunk") for kind in steps["by_kind"])
     assert max(r["interval_ms"] for r in steps["longest"]) == max(r["interval_ms"] for r in steps["all"])
+    if chunked:  # the engine's kernels recorded in its process, a while into the window, by kind
+        profile = result["profile"]
+        assert "error" not in profile and profile["steps"] > 0 and profile["seconds"] >= 0.2
+        kinds = {row["kind"]: row for row in profile["kinds"]}
+        assert kinds["matmul"]["ms_per_step"] > 0 and "no kernel running" in kinds
 
 
 def test_step_report_attributes_each_interval_to_what_made_it():

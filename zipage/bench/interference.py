@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
+import time
 from collections import deque
 
 import numpy as np
@@ -153,6 +155,15 @@ def _print_step_report(report: dict) -> None:
                   for k in columns} for r in report["longest"]], columns)
 
 
+def _print_profile(profile: dict) -> None:
+    if "error" in profile:
+        print(f"the engine's kernels could not be recorded: {profile['error']}")
+        return
+    print(f"the engine's kernels over {profile['seconds']:.2f} s of the window ({profile['steps']} steps), per step:")
+    if profile["kinds"]:
+        print_table(profile["kinds"], list(profile["kinds"][0]))
+
+
 def start_step_log(engine, maxlen: int) -> None:
     """Have the engine log its next ``maxlen`` steps' ``StepStats`` (run where the engine runs)."""
     engine.step_log = deque(maxlen=maxlen)
@@ -164,6 +175,40 @@ def take_step_log(engine) -> tuple[list, bool]:
     return steps, engine.async_scheduling
 
 
+def start_profile(engine) -> None:
+    """Record the engine's kernels (``bench/profile.py``) from now on (run where the engine runs)."""
+    import torch
+
+    from zipage.bench.profile import StepProfiler
+
+    profiler = StepProfiler(torch.device(engine.config.device))
+    profiler.start()  # (its first start takes a while): the steps and time count from after it
+    engine.bench_profile = (profiler, engine.stats.num_steps, time.perf_counter())
+
+
+def stop_profile(engine) -> dict:
+    """Stop ``start_profile``'s recording: the steps it spanned and their kernels by kind, per step."""
+    from zipage.bench.profile import breakdown
+
+    profiler, steps, start = engine.bench_profile
+    wall, steps = time.perf_counter() - start, engine.stats.num_steps - steps  # before the events are read
+    kernels = profiler.stop()
+    del engine.bench_profile
+    return {"seconds": wall, "steps": steps,
+            "kinds": breakdown(kernels, steps, wall / steps) if steps else []}
+
+
+def _profile_window(call_engine, at: float, seconds: float, result: dict) -> None:
+    """Profile the engine for ``seconds`` from ``at`` (``time.perf_counter``), into ``result``."""
+    time.sleep(max(0.0, at - time.perf_counter()))
+    try:
+        call_engine(start_profile)
+        time.sleep(seconds)
+        result.update(call_engine(stop_profile, timeout=120.0))
+    except Exception as error:  # noqa: BLE001 - the run's own report stands without it
+        result["error"] = str(error)
+
+
 def run_interference_bench(args: argparse.Namespace) -> int:
     lengths = _lengths(args.long_prompts)
     for name in ("background", "long_repeats", "input_len", "output_len", "long_output_len"):
@@ -172,6 +217,10 @@ def run_interference_bench(args: argparse.Namespace) -> int:
     for name in ("long_start", "long_rate"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if not args.profile_window >= 0:
+        raise ValueError(f"--profile-window must be >= 0, got {args.profile_window}")
+    if args.profile_window and args.url:
+        raise ValueError("--profile-window is for a server started here, not --url")
     if args.url and args.switch_interval is not None:
         raise ValueError("--switch-interval is for a server started here, not --url")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -194,10 +243,18 @@ def run_interference_bench(args: argparse.Namespace) -> int:
         print(f"{len(streams)} streams of {args.input_len}+{args.output_len} tokens; long prompts of "
               f"{', '.join(map(str, long_lengths))} tokens from {args.long_start:g} s at {args.long_rate:g}/s",
               flush=True)
+        profile, profiling = {}, None
         if server is not None:
             server.call_engine(start_step_log, STEP_LOG_STEPS)
-        results, duration, _, t0 = clients.submit(send_all_sync, base_url, streams + long, arrivals,
-                                                  args.timeout, headers).result()
+        sent = clients.submit(send_all_sync, base_url, streams + long, arrivals, args.timeout, headers)
+        if server is not None and args.profile_window:
+            # From the first long prompt's arrival (as this process sees the clients' start).
+            profiling = threading.Thread(target=_profile_window, daemon=True, args=(
+                server.call_engine, time.perf_counter() + args.long_start, args.profile_window, profile))
+            profiling.start()
+        results, duration, _, t0 = sent.result()
+        if profiling is not None:
+            profiling.join()
         steps, async_scheduling = server.call_engine(take_step_log) if server is not None else (None, None)
     report = summarize(results[:len(streams)], results[len(streams):], long_at, duration)
     if steps is not None:
@@ -215,6 +272,9 @@ def run_interference_bench(args: argparse.Namespace) -> int:
           f"p99 {_ms(report['itl_all_s']['p99'])}, max {_ms(report['itl_all_s']['max'])}")
     if steps is not None:
         _print_step_report(report["engine_steps"])
+    if profile:
+        report["profile"] = profile
+        _print_profile(profile)
     result = {"benchmark": "serving-interference", "model": model, "settings": settings, **report}
     if args.out:
         write_json(os.path.join(args.out, "serving.json"), result)
