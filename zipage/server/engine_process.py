@@ -51,6 +51,9 @@ class EngineProcess:
     A ``ValueError`` of the build (a bad option) is raised here as one; any other failure as
     ``EngineProcessError``, with its message. Hand it to ``create_app`` (or ``AsyncEngine``) in
     place of an engine; ``close`` stops it (the app does, when it stops).
+
+    The child is spawned, so it imports the main script: a script that makes one guards its
+    entry point with ``if __name__ == "__main__":``.
     """
 
     def __init__(self, factory: Callable = build_llm_engine, args: tuple = (), startup_timeout: float = 3600.0,
