@@ -9,7 +9,7 @@
 #           over SPAN keys, or with ZIPAGE=1 the prompt compressed to a budget of 2,048 between
 #           chunks of CHUNK tokens (default 512); pieces on (the default);
 #   serve:  the long-prompt latency benchmark, one run per entry of RUNS; pieces on (the default).
-# Usage: [RESULTS=dir] [RUNS="512 512:8192 512z"] [SPAN=8192] [ZIPAGE=1 [CHUNK=512]] [PROFILE=seconds]
+# Usage: [RESULTS=dir] [RUNS="512 512:8192 512z"] [SPAN=8192] [ZIPAGE=1 [CHUNK=512]] [PROFILE=seconds] [CONTROL=1]
 #        bash scripts/gpu_piecewise.sh [tests|chunks|serve|all]
 #        (default all). RUNS lists the serve runs, each CHUNK[:SPAN][z][t]: chunks of CHUNK tokens
 #        (--max-num-batched-tokens), costed by attention over SPAN keys (--prefill-attention-span,
@@ -17,7 +17,8 @@
 #        so a chunk attends to at most the budget plus itself), t for the engine on a thread of
 #        the server (--no-engine-process). SPAN is the chunks run's --prefill-attention-span (0:
 #        plain chunks). PROFILE: each serve run also records the engine's kernels for that many
-#        seconds from the first long prompt (--profile-window).
+#        seconds from the first long prompt (--profile-window). CONTROL=1: each serve run then
+#        sends its streams alone, for their decode step at the window's context lengths (--control).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
@@ -51,10 +52,10 @@ if [[ $what == serve || $what == all ]]; then
     [[ ${run%t} == *z ]] && extra+=(--kv-budget-tokens 2048 --prefill-compression always)
     [[ $run == *t ]] && extra+=(--no-engine-process)
     stamp "long prompts among 128 streams: chunks of $chunk ${extra[*]}"
-    timeout 130 python3 -m zipage.cli bench serve --shape qwen3-8b --background 128 --input-len 128 \
+    timeout $((${CONTROL:-0} ? 200 : 130)) python3 -m zipage.cli bench serve --shape qwen3-8b --background 128 --input-len 128 \
       --output-len 3000 --long-prompts 8192,16384,32768 --long-repeats 2 --long-start 4 --long-rate 0.5 \
       --long-output-len 16 --max-model-len 33280 --max-num-batched-tokens "$chunk" "${extra[@]}" \
-      --profile-window "${PROFILE:-0}" \
+      --profile-window "${PROFILE:-0}" ${CONTROL:+--control} \
       --out "$RESULTS/serve-c${run/:/-s}" 2>&1 | grep -v "^INFO\|Warning\|warn" | tail -40 \
       | tee "$RESULTS/serve-c${run/:/-s}.log"
   done

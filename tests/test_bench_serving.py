@@ -204,7 +204,7 @@ def test_long_prompts_among_decoding_streams(tmp_path, chunked):
                      "--stream-interval", "0",
                      "--max-num-batched-tokens", "64" if chunked else "512", "--out", str(out),
                      *([] if chunked else ["--no-chunked-prefill"]),
-                     *(["--profile-window", "0.2"] if chunked else [])])
+                     *(["--profile-window", "0.2", "--control"] if chunked else [])])
     assert code == 0
     result = json.loads((out / "serving.json").read_text())
     assert result["benchmark"] == "serving-interference" and result["failed"] == 0
@@ -225,6 +225,11 @@ def test_long_prompts_among_decoding_streams(tmp_path, chunked):
     assert sum(k["steps"] for k in steps["by_kind"].values()) == steps["steps"]
     assert any(kind.startswith("chunk") for kind in steps["by_kind"])
     assert max(r["interval_ms"] for r in steps["longest"]) == max(r["interval_ms"] for r in steps["all"])
+    if chunked:  # the control run's streams, alone, at the window's output positions
+        assert result["control_failed"] == 0 and result["control_decode_step_s"] > 0
+        assert result["p99_over_control_step"] == pytest.approx(window["p99"] / result["control_decode_step_s"])
+    else:
+        assert "control_decode_step_s" not in result
     if chunked:  # the engine's kernels recorded in its process, a while into the window, by kind
         profile = result["profile"]
         assert "error" not in profile and profile["steps"] > 0 and profile["seconds"] >= 0.2
@@ -267,3 +272,22 @@ def test_window_gaps_count_the_chunks_that_arrived_in_the_window():
     assert window_gaps(results, 5.0, 6.0).size == 0
     stats = gap_stats(window_gaps(results, 0.0, 9.0))
     assert stats["count"] == 7 and stats["max"] == 0.5 and stats["p50"] == 0.3
+
+
+def test_the_control_run_is_read_at_the_windows_output_positions():
+    """The control's gaps are taken at the output positions the main run's streams reached in the
+    window (not at the same times: alone, the streams are further along by then)."""
+    from zipage.bench.interference import control_report
+
+    def stream(times, counts, gaps, error=None):
+        return {"times": times, "counts": counts, "gaps": gaps, "error": error}
+
+    # Main run: chunks at 1..6 s of 2 tokens each; the window [2.5, 4.5] holds the chunks at 3 and
+    # 4 s, i.e. output positions 5..8 (after the 4 tokens of the chunks at 1 and 2 s).
+    main = [stream([1, 2, 3, 4, 5, 6], [2] * 6, [0.1] * 6), stream([1], [2], [0.1], error="lost")]
+    # Control: one token per chunk, gaps 0.01 * position; positions 5..8 have gaps 0.05..0.08.
+    alone = [stream(list(range(1, 13)), [1] * 12, [0.01 * i for i in range(1, 13)]), stream([1], [1], [0.5])]
+    report = {"window_s": [2.5, 4.5], "itl_window_s": {"p99": 0.13}}
+    out = control_report(alone, main, report)
+    assert out["control_decode_step_s"] == pytest.approx(0.065)
+    assert out["p99_over_control_step"] == pytest.approx(2.0) and out["control_failed"] == 0

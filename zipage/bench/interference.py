@@ -95,6 +95,33 @@ def summarize(streams: list[dict], long: list[dict], long_arrivals, duration: fl
     }
 
 
+def control_report(control: list[dict], streams: list[dict], report: dict) -> dict:
+    """The control run's numbers. Each stream's tokens that arrived within the window of the main
+    run (their positions in the output) are looked up in the control run's same stream: their
+    median gap there is the decode step at the same context lengths without the long prompts, and
+    the window's p99 is set over it."""
+    start, end = report["window_s"]
+    parts = []
+    for main, alone in zip(streams, control):
+        if main["error"] is not None or alone["error"] is not None:
+            continue
+        times, counts = np.asarray(main["times"]), np.asarray(main["counts"]).astype(int)
+        inside = np.flatnonzero((times >= start) & (times <= end))
+        if not inside.size:
+            continue
+        ends = np.cumsum(counts)  # the output position reached by each chunk
+        first, last = ends[inside[0]] - counts[inside[0]], ends[inside[-1]]
+        alone_counts = np.asarray(alone["counts"]).astype(int)
+        alone_ends = np.cumsum(alone_counts)
+        chosen = (alone_ends > first) & (alone_ends <= last)
+        parts.append(np.repeat(np.asarray(alone["gaps"])[chosen], alone_counts[chosen]))
+    gaps = np.concatenate(parts) if parts else np.zeros(0)
+    step = float(np.median(gaps)) if gaps.size else None
+    p99 = report["itl_window_s"]["p99"]
+    return {"control_failed": sum(r["error"] is not None for r in control), "control_decode_step_s": step,
+            "p99_over_control_step": p99 / step if step and p99 is not None else None}
+
+
 # steps the engine logs during a run (a step of 128 streams takes about 8 ms on an H200: 10 minutes)
 STEP_LOG_STEPS = 100_000
 LONGEST_STEPS = 12  # intervals listed in the report
@@ -256,7 +283,14 @@ def run_interference_bench(args: argparse.Namespace) -> int:
         if profiling is not None:
             profiling.join()
         steps, async_scheduling = server.call_engine(take_step_log) if server is not None else (None, None)
+        control = None
+        if args.control:  # the same streams again, with no long prompt: their decode steps in the window
+            print("the control run: the same streams without long prompts", flush=True)
+            control = clients.submit(send_all_sync, base_url, streams, [0.0] * len(streams), args.timeout,
+                                     headers).result()[0]
     report = summarize(results[:len(streams)], results[len(streams):], long_at, duration)
+    if control is not None:
+        report.update(control_report(control, results[:len(streams)], report))
     if steps is not None:
         report["engine_steps"] = step_report(steps, t0, report["window_s"], report["median_decode_step_s"],
                                              async_scheduling)
@@ -270,6 +304,11 @@ def run_interference_bench(args: argparse.Namespace) -> int:
                  "TTFT p50 ms", "TTFT p99 ms", "tok/s", "failed"])
     print(f"streams' ITL over the whole run: p50 {_ms(report['itl_all_s']['p50'])}, "
           f"p99 {_ms(report['itl_all_s']['p99'])}, max {_ms(report['itl_all_s']['max'])}")
+    if "control_decode_step_s" in report:
+        ratio = report["p99_over_control_step"]
+        print(f"control run (no long prompts): the streams' median step in the window "
+              f"(the same output positions) {_ms(report['control_decode_step_s'])}; the window's p99 over it "
+              f"{'-' if ratio is None else f'{ratio:.2f}'}")
     if steps is not None:
         _print_step_report(report["engine_steps"])
     if profile:
@@ -278,4 +317,4 @@ def run_interference_bench(args: argparse.Namespace) -> int:
     result = {"benchmark": "serving-interference", "model": model, "settings": settings, **report}
     if args.out:
         write_json(os.path.join(args.out, "serving.json"), result)
-    return 0 if report["failed"] == 0 else 1
+    return 0 if report["failed"] == 0 and not report.get("control_failed") else 1

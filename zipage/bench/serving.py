@@ -117,6 +117,10 @@ def add_serving_parser(sub) -> None:
                        help="seconds after the streams start when the first long prompt arrives")
     mixed.add_argument("--long-rate", type=float, default=0.5, help="long prompts a second (Poisson)")
     mixed.add_argument("--long-output-len", type=int, default=16)
+    mixed.add_argument("--control", action="store_true",
+                       help="then send the same streams again without long prompts, and report their median "
+                            "inter-token gap in the same window (the decode step at the same context lengths) "
+                            "and the window's p99 over it")
     mixed.add_argument("--profile-window", type=float, default=0.0,
                        help="with the server started here: record the engine's kernels (torch.profiler) for this "
                             "many seconds from the first long prompt's arrival, and report them by kind per "

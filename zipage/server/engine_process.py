@@ -37,6 +37,10 @@ class EngineProcessError(RuntimeError):
     """The engine process could not be started, or stopped."""
 
 
+# What the engine's build may raise that the server raises as it is (as building it here would).
+_BUILD_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
+
+
 def build_llm_engine(model: str, kwargs: dict):
     """The engine of ``LLM(model, **kwargs)`` (the default factory of an ``EngineProcess``)."""
     from zipage import LLM
@@ -48,8 +52,8 @@ class EngineProcess:
     """``factory(*args)`` (a module-level function that builds an ``LLMEngine``) run in a child
     process, ready to serve once this returns; ``startup_timeout`` bounds the build (seconds).
 
-    A ``ValueError`` of the build (a bad option) is raised here as one; any other failure as
-    ``EngineProcessError``, with its message. Hand it to ``create_app`` (or ``AsyncEngine``) in
+    A ``ValueError`` or ``FileNotFoundError`` of the build (a bad option or path) is raised here
+    as one; any other failure as ``EngineProcessError``, with its message. Hand it to ``create_app`` (or ``AsyncEngine``) in
     place of an engine; ``close`` stops it (the app does, when it stops).
 
     The child is spawned, so it imports the main script: a script that makes one guards its
@@ -105,7 +109,7 @@ class EngineProcess:
                                      "before the engine was built; its log says why") from None
         if message[0] == "error":
             _, kind, text = message
-            raise (ValueError if kind == "ValueError" else EngineProcessError)(text)
+            raise _BUILD_ERRORS.get(kind, EngineProcessError)(text)
         return message[1]
 
     # -- what the API side asks of an engine ---------------------------------------
@@ -199,11 +203,12 @@ def _child_main(conn, factory: Callable, args: tuple, log_level: int) -> None:
     try:
         engine = factory(*args)
     except BaseException as error:  # noqa: BLE001 - told to the server, which raises it
-        if isinstance(error, ValueError):  # a bad option: the server says which
+        kind = next((name for name, kind in _BUILD_ERRORS.items() if isinstance(error, kind)), type(error).__name__)
+        if kind in _BUILD_ERRORS:  # a bad option or path: the server says which
             logger.error("the engine could not be built: %s", error)
         else:
             logger.exception("the engine could not be built")
-        conn.send(("error", "ValueError" if isinstance(error, ValueError) else type(error).__name__, str(error)))
+        conn.send(("error", kind, str(error)))
         conn.close()
         return
     runner = engine.runner
