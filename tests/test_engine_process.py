@@ -142,17 +142,23 @@ def test_a_bad_option_is_raised_where_the_engine_process_is_made(model_dir):
         EngineProcess(failing_engine, ())
 
 
+def signal_mid_stream(server, process: EngineProcess, signum: int) -> list[str]:
+    """Start a long stream, send the engine process ``signum`` once its first chunk came, and
+    return the stream's lines after it."""
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=TIMEOUT,
+                      json={"model": MODEL, "prompt": "abc", "max_tokens": 240, "stream": True,
+                            "ignore_eos": True}) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        os.kill(process.process.pid, signum)
+        return [line for line in lines if line]
+
+
 def test_a_dead_engine_process_fails_the_calls_and_health(model_dir):
     process = EngineProcess(build_llm_engine, (model_dir, engine_kwargs()))
     app = create_app(process, MODEL, stream_interval=0.0)
     with ServerThread(app) as server:
-        with httpx.stream("POST", server.url + "/v1/completions", timeout=TIMEOUT,
-                          json={"model": MODEL, "prompt": "abc", "max_tokens": 240, "stream": True,
-                                "ignore_eos": True}) as response:
-            lines = response.iter_lines()
-            assert next(line for line in lines if line.startswith("data: {"))
-            os.kill(process.process.pid, signal.SIGKILL)
-            rest = [line for line in lines if line]
+        rest = signal_mid_stream(server, process, signal.SIGKILL)
         assert any("the engine can run no more steps" in line for line in rest) and rest[-1] == "data: [DONE]"
         health = httpx.get(server.url + "/health", timeout=TIMEOUT)
         assert health.status_code == 503 and "exit code -9" in health.json()["error"]["message"]
@@ -209,13 +215,7 @@ def test_ctrl_c_is_left_to_the_server_and_sigterm_stops_the_engine_cleanly(model
         ok = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT,
                         json={"model": MODEL, "prompt": "abc", "max_tokens": 3})
         assert ok.status_code == 200 and process.process.is_alive()
-        with httpx.stream("POST", server.url + "/v1/completions", timeout=TIMEOUT,
-                          json={"model": MODEL, "prompt": "abc", "max_tokens": 240, "stream": True,
-                                "ignore_eos": True}) as response:
-            lines = response.iter_lines()
-            assert next(line for line in lines if line.startswith("data: {"))
-            os.kill(process.process.pid, signal.SIGTERM)
-            rest = [line for line in lines if line]
+        rest = signal_mid_stream(server, process, signal.SIGTERM)
         assert any("stopped (SIGTERM)" in line for line in rest) and rest[-1] == "data: [DONE]"
         deadline = time.monotonic() + TIMEOUT
         while not process.exited:  # the server's reader thread joins the process
