@@ -33,9 +33,9 @@ def add_serve_parser(sub) -> None:
                    help="seconds between the chunks of a stream (first tokens and ends go at once; "
                         "default 0.02): fewer chunks leave more of the interpreter to the engine")
     p.add_argument("--switch-interval", type=float, default=None,
-                   help="the interpreter's thread switch interval in seconds while serving (sys.setswitchinterval; "
-                        "default: Python's 0.005): how long the engine thread may wait for the GIL held by the "
-                        "event loop")
+                   help="the interpreter's thread switch interval in seconds, in the process the engine runs in "
+                        "(sys.setswitchinterval; default: Python's 0.005): with --no-engine-process, how long the "
+                        "engine thread may wait for the GIL held by the event loop")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, so that the HTTP server's work (parsing requests, "
                         "formatting streams) does not share its interpreter (default: on; --no-engine-process "
