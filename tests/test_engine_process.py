@@ -224,3 +224,18 @@ def test_ctrl_c_is_left_to_the_server_and_sigterm_stops_the_engine_cleanly(model
         assert process.process.exitcode == 0
         health = httpx.get(server.url + "/health", timeout=TIMEOUT)
         assert health.status_code == 503 and "SIGTERM" in health.json()["error"]["message"]
+
+
+def test_a_script_that_never_closes_its_engine_process_still_exits(model_dir):
+    """An engine process nobody closed (an app that never started) is closed when the interpreter
+    exits; multiprocessing would otherwise wait there for it forever."""
+    import subprocess
+    import sys
+
+    script = ("from zipage.server.engine_process import EngineProcess, build_llm_engine\n"
+              "if __name__ == '__main__':\n"
+              f"    EngineProcess(build_llm_engine, ({model_dir!r}, {engine_kwargs()!r}))\n"
+              "    print('built', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.returncode == 0 and "built" in done.stdout, done.stderr[-2000:]

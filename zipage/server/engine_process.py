@@ -18,6 +18,7 @@ the engine process sees its pipe close and exits.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import multiprocessing
@@ -70,6 +71,9 @@ class EngineProcess:
                                        name="zipage-engine", daemon=False)
         self.process.start()
         child_conn.close()
+        # Closed at the latest when this interpreter exits: multiprocessing would otherwise wait there
+        # for a child that waits for its server (an app that never started, a script that forgot).
+        atexit.register(self.close)
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self.failure: str | None = None  # why the engine can run no more steps, as it last said
@@ -79,6 +83,9 @@ class EngineProcess:
             info = self._await_ready(startup_timeout)
         except BaseException:
             self._kill()
+            self._closed = self.exited = True
+            self._conn.close()
+            atexit.unregister(self.close)
             raise
         self.config = info["config"]
         self.max_prompt_tokens = info["max_prompt_tokens"]
@@ -188,6 +195,7 @@ class EngineProcess:
             self._kill()
         self.exited = True
         self._conn.close()
+        atexit.unregister(self.close)
 
     def _kill(self) -> None:
         self.process.kill()
