@@ -54,8 +54,9 @@ class EngineProcess:
     process, ready to serve once this returns; ``startup_timeout`` bounds the build (seconds).
 
     A ``ValueError`` or ``FileNotFoundError`` of the build (a bad option or path) is raised here
-    as one; any other failure as ``EngineProcessError``, with its message. Hand it to ``create_app`` (or ``AsyncEngine``) in
-    place of an engine; ``close`` stops it (the app does, when it stops).
+    as one; any other failure as ``EngineProcessError``, with its message. Hand it to
+    ``create_app`` (or ``AsyncEngine``) in place of an engine; ``close`` stops it (the app does,
+    when it stops).
 
     The child is spawned, so it imports the main script: a script that makes one guards its
     entry point with ``if __name__ == "__main__":``.
@@ -71,14 +72,16 @@ class EngineProcess:
                                        name="zipage-engine", daemon=False)
         self.process.start()
         child_conn.close()
-        # Closed at the latest when this interpreter exits: multiprocessing would otherwise wait there
-        # for a child that waits for its server (an app that never started, a script that forgot).
-        atexit.register(self.close)
         self._send_lock = threading.Lock()
+        self._grammar_lock = threading.Lock()
+        self._grammar_compiler = None
         self._reader: threading.Thread | None = None
         self.failure: str | None = None  # why the engine can run no more steps, as it last said
         self.exited = False  # the pipe closed: the process ended
         self._closed = False
+        # Closed at the latest when this interpreter exits: multiprocessing would otherwise wait there
+        # for a child that waits for its server (an app that never started, a script that forgot).
+        atexit.register(self.close)
         try:
             info = self._await_ready(startup_timeout)
         except BaseException:
@@ -87,18 +90,20 @@ class EngineProcess:
             self._conn.close()
             atexit.unregister(self.close)
             raise
-        self.config = info["config"]
-        self.max_prompt_tokens = info["max_prompt_tokens"]
-        self.num_blocks = info["num_blocks"]
-        self.vocab_size = info["vocab_size"]
-        self.eos_token_ids = info["eos_token_ids"]
-        self.supports_structured_outputs = info["supports_structured_outputs"]
-        self.runner_name = info["runner"]
-        from zipage.utils.loader import load_tokenizer
+        try:
+            self.config = info["config"]
+            self.max_prompt_tokens = info["max_prompt_tokens"]
+            self.num_blocks = info["num_blocks"]
+            self.vocab_size = info["vocab_size"]
+            self.eos_token_ids = info["eos_token_ids"]
+            self.supports_structured_outputs = info["supports_structured_outputs"]
+            self.runner_name = info["runner"]
+            from zipage.utils.loader import load_tokenizer
 
-        self.tokenizer = load_tokenizer(self.config.model, self.config.trust_remote_code)
-        self._grammar_compiler = None
-        self._grammar_lock = threading.Lock()
+            self.tokenizer = load_tokenizer(self.config.model, self.config.trust_remote_code)
+        except BaseException:
+            self.close()
+            raise
 
     def _await_ready(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
