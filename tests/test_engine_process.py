@@ -239,3 +239,21 @@ def test_a_script_that_never_closes_its_engine_process_still_exits(model_dir):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert done.returncode == 0 and "built" in done.stdout, done.stderr[-2000:]
+
+
+def test_commands_left_when_the_engine_loop_stops_are_answered_with_engine_failed():
+    """A command still queued when the loop stops gets an ``EngineFailed`` (which the API maps to
+    503) with the reason, in both modes the same message; nothing else of the engine is touched."""
+    from zipage.server.async_engine import EngineFailed
+    from zipage.server.engine_loop import EngineLoop
+
+    messages = []
+    loop = EngineLoop(object(), messages.append)
+    assert loop.submit(("call", 7, len, ((),), False))
+    loop.stop("the engine process was stopped (SIGTERM)")
+    loop.run()
+    (reply, failed) = messages
+    assert reply[:3] == ("reply", 7, None) and isinstance(reply[3], EngineFailed)
+    assert str(reply[3]) == "the engine process was stopped (SIGTERM)"
+    assert failed == ("failed", "the engine process was stopped (SIGTERM)")
+    assert not loop.submit(("abort", None, ["x"]))

@@ -21,7 +21,7 @@ from typing import Callable
 
 from zipage.outputs import CompletionOutput, RequestOutput
 from zipage.sampling_params import SamplingParams
-from zipage.server.engine_loop import STOPPED, EngineLoop
+from zipage.server.engine_loop import STOPPED, EngineFailed, EngineLoop
 from zipage.server.engine_process import EngineProcess, EngineProcessError
 from zipage.server.metrics import ServerMetrics
 
@@ -30,12 +30,6 @@ logger = logging.getLogger(__name__)
 
 class EngineOverloaded(Exception):
     """More requests wait than the queue allows."""
-
-
-class EngineFailed(Exception):
-    """The engine could not serve a call: it failed while stepping (the requests in flight were
-    aborted), or it is shutting down. The message is safe to show a client: the cause goes to
-    the log."""
 
 
 class RequestFailed(EngineFailed):

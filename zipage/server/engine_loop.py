@@ -23,6 +23,12 @@ logger = logging.getLogger(__name__)
 STOPPED = "the server is shutting down"
 
 
+class EngineFailed(Exception):
+    """The engine could not serve a call: it failed while stepping (the requests in flight were
+    aborted), or it is shutting down. The message is safe to show a client: the cause goes to
+    the log."""
+
+
 def budget_label(engine, seq) -> str:
     """A request's KV budget as a metrics label: "full" or its budget in tokens."""
     if seq.max_blocks is None:
@@ -94,7 +100,7 @@ class EngineLoop:
             commands, self._commands = self._commands, []
         for command in commands:
             if command[1] is not None:
-                self._reply(command[1], None, failure)
+                self._reply(command[1], None, EngineFailed(failure))
         self._abort_all()
         self.emit(("failed", failure))
 
