@@ -302,13 +302,17 @@ def _compile_grammars(engine, requests: list[tuple]) -> None:
 
 
 def _pickled(message: tuple) -> bytes:
-    """``message`` pickled; a reply whose error does not pickle carries its message instead."""
-    try:
+    """``message`` pickled. A reply is checked to unpickle too (an exception whose constructor
+    takes other arguments than its ``args`` pickles, then fails to load): one that does not
+    carries its result's or error's message instead, as a ``RuntimeError``."""
+    if message[0] != "reply":
         return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001
-        if message[0] != "reply":
-            raise
+    try:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(data)
+        return data
+    except Exception as failure:  # noqa: BLE001
+        logger.warning("a reply could not be sent whole (%s): its message goes instead", failure)
         kind, token, _, error = message
-        error = error if error is None else RuntimeError(str(error))
-        return pickle.dumps((kind, token, None, error or RuntimeError("the result could not be sent")),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        error = RuntimeError(str(error) if error is not None else "the result could not be sent")
+        return pickle.dumps((kind, token, None, error), protocol=pickle.HIGHEST_PROTOCOL)
