@@ -168,6 +168,9 @@ class EngineProcess:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception:  # noqa: BLE001 - a message that does not load (read whole): the next one
+                logger.exception("a message of the engine process could not be read")
+                continue
             if message[0] == "outputs":
                 self.failure = message[2]["failure"]
             if message[0] == "stopped":
