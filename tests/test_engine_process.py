@@ -211,7 +211,14 @@ def test_ctrl_c_is_left_to_the_server_and_sigterm_stops_the_engine_cleanly(model
     process = EngineProcess(build_llm_engine, (model_dir, engine_kwargs()))
     app = create_app(process, MODEL, stream_interval=0.0)
     with ServerThread(app) as server:
+        status = f"/proc/{process.process.pid}/status"
+        if os.path.exists(status):  # Linux: the disposition itself (a signal may land in a finalizer)
+            with open(status) as lines:
+                ignored = int(next(line for line in lines if line.startswith("SigIgn")).split()[1], 16)
+            assert ignored & (1 << (signal.SIGINT - 1)), "the engine process does not ignore SIGINT"
         os.kill(process.process.pid, signal.SIGINT)
+        time.sleep(1.0)  # an idle engine that took it would be gone by now
+        assert process.process.is_alive() and not process.exited
         ok = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT,
                         json={"model": MODEL, "prompt": "abc", "max_tokens": 3})
         assert ok.status_code == 200 and process.process.is_alive()
