@@ -140,6 +140,27 @@ def test_decode_fp8(group_size, block_size, splits):
     assert_close(sdpa[lens > 0], ref[lens > 0], TWIN_TOLERANCE)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_decode_fp8_whole_rows_and_halves(head_dim):
+    """A float8 cache is read a half of head_dim at a time from 32 dimensions on, in whole rows
+    below: both against the float64 reference, through the split and merge kernels."""
+    require_triton()
+    from zipage.kernels.paged_decode import _halves
+    assert _halves(head_dim, torch.float8_e4m3fn) == (head_dim >= 32)
+    lens = kt.decode_lengths(16)
+    k_cache, v_cache, tables = kt.make_paged_kv(lens, 16, torch.float32, head_dim=head_dim)
+    q = kt.make_queries(len(lens), kt.NUM_KV_HEADS * 4, torch.float32, head_dim=head_dim)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    k8, k_scale, k_ref = quantize(k_cache)
+    v8, v_scale, v_ref = quantize(v_cache)
+    scale = head_dim**-0.5
+    ref = kt.reference_decode(q, k_ref, v_ref, tables, lens, scale)
+    for num_splits, min_split in ((1, None), (3, 1)):
+        out = paged_decode_attention(q, k8, v8, tables, lens, scale, k_scale=k_scale, v_scale=v_scale,
+                                     num_splits=num_splits, min_split_tokens=min_split)
+        assert_close(out, ref, TRITON_TOLERANCE[torch.float32])
+
+
 def test_decode_fp8_float16_queries():
     require_triton()
     q, k8, v8, tables, lens, k_scale, v_scale, k_ref, v_ref = fp8_decode_inputs(4, 16, torch.float16)
