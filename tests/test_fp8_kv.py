@@ -155,9 +155,11 @@ def test_decode_fp8_whole_rows_and_halves(head_dim):
     v8, v_scale, v_ref = quantize(v_cache)
     scale = head_dim**-0.5
     ref = kt.reference_decode(q, k_ref, v_ref, tables, lens, scale)
-    for num_splits, min_split in ((1, None), (3, 1)):
+    # the default tile (one per split at these lengths), and tiles of 16 tokens: several per
+    # program, so that the running maximum and its correction of the accumulators are exercised
+    for num_splits, min_split, tile in ((1, None, None), (3, 1, None), (1, None, (16, 4, 2)), (2, 1, (16, 4, 2))):
         out = paged_decode_attention(q, k8, v8, tables, lens, scale, k_scale=k_scale, v_scale=v_scale,
-                                     num_splits=num_splits, min_split_tokens=min_split)
+                                     num_splits=num_splits, min_split_tokens=min_split, tile=tile)
         assert_close(out, ref, TRITON_TOLERANCE[torch.float32])
 
 
