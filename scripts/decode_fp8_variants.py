@@ -203,6 +203,7 @@ def main() -> int:
             q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
             scale = dim ** -0.5
             kc, vc, sc = _as_fp8(k, v, True)
+            vc = vc.contiguous()  # these variants read row-major values (the engine's layout until 2026-12-04)
             ref = paged_decode_attention_torch(q.double(), kc, vc, tables, lens, scale, **sc)
             bf16_bytes = 2 * batch * context * kv_heads * dim * 2
             fp8_bytes = 2 * batch * context * kv_heads * (dim + 4)

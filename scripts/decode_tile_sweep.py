@@ -33,6 +33,8 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--default-only", action="store_true",
+                   help="time each cache's default tile only (the engine's kernels, bf16 against fp8)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -52,8 +54,9 @@ def main() -> int:
                     paged_decode_attention_torch(q.float(), k.float(), v.float(), tables, lens, scale)
                 read = 2 * batch * context * args.kv_heads * (args.head_dim * kc.element_size() + (4 if fp8 else 0))
                 default = decode_tile(args.head_dim, kc.dtype)
-                for tile in (TILES if fp8 else [default]):  # bf16: its tuned tile, the yardstick
-                    for fast in ((False, True) if fp8 else (False,)):
+                tiles = TILES if fp8 and not args.default_only else [default]  # bf16: its tile, the yardstick
+                for tile in tiles:
+                    for fast in ((False, True) if fp8 and not args.default_only else (fp8,)):
                         common.FAST_FP8_WIDENING = fast
                         try:
                             out = paged_decode_attention(q, kc, vc, tables, lens, scale, tile=tile, **scales)

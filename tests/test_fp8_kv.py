@@ -47,6 +47,12 @@ def quantize(cache):
     return q, scale, q.double() * scale.double()[..., None]
 
 
+def token_major(cache):
+    """The same values stored token-major, as the engine's float8 cache stores them: the slot axis
+    (third from the end: [..., block_size, kv_heads, head_dim]) contiguous in memory."""
+    return cache.movedim(-3, -1).contiguous().movedim(-1, -3)
+
+
 # ---------------------------------------------------------------- quantization
 
 
@@ -68,10 +74,12 @@ def test_quantize_round_trip_error_bound():
     assert rel < 0.04  # about 2.5% for Gaussian rows
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_store_kv_fp8_triton_matches_twin(dtype):
+@pytest.mark.parametrize("dtype, values_token_major", [(torch.float32, False), (torch.float16, False),
+                                                       (torch.float32, True)])
+def test_store_kv_fp8_triton_matches_twin(dtype, values_token_major):
     """The kernel's quantization is the twin's number for number (scales and float8 values), the
-    queries go to their rows unquantized, padding rows write nothing."""
+    queries go to their rows unquantized, padding rows write nothing; values land in their slots
+    whether the value cache is row-major or token-major."""
     require_triton()
     gen = torch.Generator().manual_seed(1)
     tokens, heads, kv_heads, blocks, block_size = 23, 4, 2, 6, 8
@@ -86,7 +94,7 @@ def test_store_kv_fp8_triton_matches_twin(dtype):
     results = []
     for fn in (store_kv, store_kv_torch):
         k_cache = torch.full((blocks, block_size, kv_heads, HEAD_DIM), 7.0).to(FP8_DTYPE)
-        v_cache = k_cache.clone()
+        v_cache = token_major(k_cache) if values_token_major else k_cache.clone()
         k_scale = torch.full((blocks, block_size, kv_heads), -1.0)
         v_scale = k_scale.clone()
         query_cache = torch.zeros(8, heads, HEAD_DIM, dtype=dtype)
@@ -100,10 +108,13 @@ def test_store_kv_fp8_triton_matches_twin(dtype):
     untouched[written] = False
     assert torch.all(k_scale.view(-1, kv_heads)[untouched] == -1)
     assert torch.all(k_cache.view(-1, kv_heads, HEAD_DIM)[untouched] == 7)
+    assert torch.all(v_cache.reshape(-1, kv_heads, HEAD_DIM)[untouched] == 7)
     keep = slots >= 0
-    back = k_cache.view(-1, kv_heads, HEAD_DIM)[written] * k_scale.view(-1, kv_heads)[written][..., None]
-    ref = key[keep].float()
-    assert torch.all((back - ref).abs() <= ref.abs() * 2**-4 + k_scale.view(-1, kv_heads)[written][..., None] * 2**-9)
+    for cache, scales, source in ((k_cache, k_scale, key), (v_cache, v_scale, value)):
+        back = cache.reshape(-1, kv_heads, HEAD_DIM)[written] * scales.view(-1, kv_heads)[written][..., None]
+        ref = source[keep].float()
+        bound = ref.abs() * 2**-4 + scales.view(-1, kv_heads)[written][..., None] * 2**-9
+        assert torch.all((back - ref).abs() <= bound)
 
 
 # ---------------------------------------------------------------- attention
@@ -116,10 +127,16 @@ def fp8_decode_inputs(group_size, block_size, dtype):
     return q.to(dtype), k8, v8, block_tables, context_lens, k_scale, v_scale, k_ref, v_ref
 
 
-@pytest.mark.parametrize("group_size, block_size, splits", [(1, 16, (None, None)), (4, 16, (3, 1)), (2, 32, (2, 1))])
-def test_decode_fp8(group_size, block_size, splits):
+@pytest.mark.parametrize("group_size, block_size, splits, values_token_major",
+                         [(1, 16, (None, None), False), (4, 16, (3, 1), False), (2, 32, (2, 1), False),
+                          (4, 16, (3, 1), True), (2, 32, (None, None), True), (2, 8, (2, 1), True)])
+def test_decode_fp8(group_size, block_size, splits, values_token_major):
+    """Against the float64 reference: row-major values, and token-major ones (the engine's float8
+    layout) with pages of at least a tile (one page a tile) and smaller (each token's own page)."""
     require_triton()
     q, k8, v8, tables, lens, k_scale, v_scale, k_ref, v_ref = fp8_decode_inputs(group_size, block_size, torch.float32)
+    if values_token_major:
+        v8 = token_major(v8)
     scale = HEAD_DIM**-0.5
     ref = kt.reference_decode(q, k_ref, v_ref, tables, lens, scale)
     twin = paged_decode_attention_torch(q, k8, v8, tables, lens, scale, k_scale=k_scale, v_scale=v_scale)
@@ -135,15 +152,17 @@ def test_decode_fp8(group_size, block_size, splits):
     k_scale_clean, v_scale_clean = k_scale.nan_to_num(0.0), v_scale.nan_to_num(0.0)
     k_clean.view(torch.uint8)[k_clean.float().isnan()] = 0
     v_clean.view(torch.uint8)[v_clean.float().isnan()] = 0
+    assert v_clean.stride() == v8.stride()
     sdpa = paged_decode_attention_sdpa(q, k_clean, v_clean, tables, lens, scale, k_scale=k_scale_clean,
                                        v_scale=v_scale_clean)
     assert_close(sdpa[lens > 0], ref[lens > 0], TWIN_TOLERANCE)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64])
-def test_decode_fp8_whole_rows_and_halves(head_dim):
+@pytest.mark.parametrize("head_dim, values_token_major", [(16, False), (64, False), (16, True), (64, True)])
+def test_decode_fp8_whole_rows_and_halves(head_dim, values_token_major):
     """A float8 cache is read a half of head_dim at a time from 32 dimensions on, in whole rows
-    below: both against the float64 reference, through the split and merge kernels."""
+    below: both against the float64 reference, through the split and merge kernels, with the
+    values row-major or token-major."""
     require_triton()
     from zipage.kernels.paged_decode import _halves
     assert _halves(head_dim, torch.float8_e4m3fn) == (head_dim >= 32)
@@ -153,6 +172,8 @@ def test_decode_fp8_whole_rows_and_halves(head_dim):
     lens = torch.tensor(lens, dtype=torch.int32)
     k8, k_scale, k_ref = quantize(k_cache)
     v8, v_scale, v_ref = quantize(v_cache)
+    if values_token_major:
+        v8 = token_major(v8)
     scale = head_dim**-0.5
     ref = kt.reference_decode(q, k_ref, v_ref, tables, lens, scale)
     # the default tile (one per split at these lengths), and tiles of 16 tokens: several per
@@ -173,14 +194,20 @@ def test_decode_fp8_float16_queries():
     assert_close(out, kt.reference_decode(q, k_ref, v_ref, tables, lens, scale), TRITON_TOLERANCE[torch.float16])
 
 
-@pytest.mark.parametrize("group_size, block_size, with_prefix", [(2, 16, True), (1, 32, False)])
-def test_prefill_fp8(group_size, block_size, with_prefix):
+@pytest.mark.parametrize("group_size, block_size, with_prefix, values_token_major",
+                         [(2, 16, True, False), (1, 32, False, False), (2, 16, True, True), (2, 64, True, True),
+                          (1, 128, False, True)])
+def test_prefill_fp8(group_size, block_size, with_prefix, values_token_major):
+    """Against the float64 reference: row-major values, and token-major ones (the engine's float8
+    layout) in pages smaller than a 64-token tile (each token's page) and of one or more tiles."""
     require_triton()
     inputs = kt.make_prefill_inputs(group_size, block_size, with_prefix, torch.float32)
     q, k_cache, v_cache, tables, cu, lens, max_q = inputs
     q = q.half().float()  # exact in float16 too
     k8, k_scale, k_ref = quantize(k_cache)
     v8, v_scale, v_ref = quantize(v_cache)
+    if values_token_major:
+        v8 = token_major(v8)
     scale = HEAD_DIM**-0.5
     ref = kt.reference_prefill(q, k_ref, v_ref, tables, cu, lens, scale)
     scales = dict(k_scale=k_scale, v_scale=v_scale)
@@ -192,6 +219,20 @@ def test_prefill_fp8(group_size, block_size, with_prefix):
         out = paged_prefill_attention(q.half(), k8, v8, tables, cu, lens, max_q, scale, **scales)
         assert out.dtype == torch.float16
         assert_close(out, ref, TRITON_TOLERANCE[torch.float16])
+
+
+def test_context_gather_reads_token_major_values():
+    """The prefill's context gather (flash attention behind a cached prefix) dequantizes the same
+    rows from token-major values as from row-major ones."""
+    from zipage.attention.triton_backend import _gather
+    gen = torch.Generator().manual_seed(4)
+    k8, k_scale, k_ref = quantize(torch.randn(6, 16, 2, HEAD_DIM, generator=gen))
+    v8, v_scale, v_ref = quantize(torch.randn(6, 16, 2, HEAD_DIM, generator=gen))
+    slots = torch.randperm(6 * 16, generator=gen)[:40]
+    rows = _gather(k8, v8, slots, torch.float32, k_scale, v_scale)
+    rows_tm = _gather(k8, token_major(v8), slots, torch.float32, k_scale, v_scale)
+    assert torch.equal(rows[0], rows_tm[0]) and torch.equal(rows[1], rows_tm[1])
+    assert torch.equal(rows_tm[1].double(), v_ref.view(-1, 2, HEAD_DIM)[slots].float().double())
 
 
 # ---------------------------------------------------------------- compression scores
@@ -259,27 +300,34 @@ def test_gather_keys_dequantizes():
 # ---------------------------------------------------------------- compaction
 
 
-@pytest.mark.parametrize("use_triton, placement, single_pass",
-                         [(False, "in-place-permuted", False), (True, "in-place-permuted", False),
-                          (True, "in-place", True), (True, "out-of-place", False)])
-def test_compact_kv_moves_scales_with_bytes(use_triton, placement, single_pass):
+@pytest.mark.parametrize("use_triton, placement, single_pass, values_token_major",
+                         [(False, "in-place-permuted", False, False), (True, "in-place-permuted", False, False),
+                          (True, "in-place", True, False), (True, "out-of-place", False, False),
+                          (False, "in-place-permuted", False, True), (True, "in-place-permuted", False, True),
+                          (True, "in-place", True, True)])
+def test_compact_kv_moves_scales_with_bytes(use_triton, placement, single_pass, values_token_major):
     """The float8 bytes and their scales land together: the dequantized destination rows equal the
-    dequantized kept source rows; slots outside the targets keep their bytes and scales."""
+    dequantized kept source rows; slots outside the targets keep their bytes and scales. The keys
+    and values may come as a pair, the values token-major (the engine's float8 cache)."""
     if use_triton:
         require_triton()
     kv_group, score_group, kept, new_scores, tables, targets = ck.make_compact_inputs(16, torch.float32, placement,
                                                                                       "new")
     kv8, scales = quantize_fp8_torch(kv_group._base)
-    kv8_group, scale_group = kv8[:, 1:], scales[:, 1:]
-    before = dequantize_fp8_torch(kv8_group, scale_group).clone()
-    bytes_before, scales_before = kv8.view(torch.uint8).clone(), scales.clone()
+    planes = (kv8[0], token_major(kv8[1]) if values_token_major else kv8[1])
+    kv8_group, scale_group = (planes[0][1:], planes[1][1:]), scales[:, 1:]
+    if not values_token_major:
+        kv8_group = kv8[:, 1:]  # one [2, L, ...] tensor
+    before = torch.stack([dequantize_fp8_torch(p[1:], s) for p, s in zip(planes, scale_group)])
+    bytes_before, scales_before = [p.view(torch.uint8).clone() for p in planes], scales.clone()
     expected, score_expected = ck.expected_after_compact(before, score_group, kept, new_scores, tables, targets)
     (compact_kv if use_triton else compact_kv_torch)(kv8_group, score_group, kept, new_scores, tables, targets,
                                                      single_pass=single_pass, scale_group=scale_group)
-    after = dequantize_fp8_torch(kv8_group, scale_group)
+    after = torch.stack([dequantize_fp8_torch(p[1:], s) for p, s in zip(planes, scale_group)])
     assert torch.equal(after, expected)
     assert torch.equal(score_group, score_expected)
-    assert torch.equal(kv8.view(torch.uint8)[:, 0], bytes_before[:, 0])  # the layer outside the group
+    for plane, plane_before in zip(planes, bytes_before):  # the layer outside the group
+        assert torch.equal(plane.view(torch.uint8)[0], plane_before[0])
     assert torch.equal(scales[:, 0], scales_before[:, 0])
 
 
@@ -383,7 +431,8 @@ def test_engine_fp8_tracks_the_unquantized_engine(tiny_model, compressed):
     full_llm, full = _run(tiny_model, "auto", compression)
     llm, fp8 = _run(tiny_model, "fp8", compression)
     runner = llm.engine.runner
-    assert runner.kv_cache.dtype == FP8_DTYPE and runner.kv_scales.shape == runner.kv_cache.shape[:5]
+    assert runner.kv_cache.dtype == FP8_DTYPE and runner.kv_scales.shape[1:] == runner.kv_cache.keys.shape[:4]
+    assert runner.kv_cache.values.stride(2) == 1  # token-major values
     layer = next(iter(runner.model.attention_layers()))
     assert layer.k_scale.data_ptr() == runner.kv_scales[0, 0].data_ptr()
     if compressed:  # the same compressions at the same lengths
@@ -409,6 +458,27 @@ def test_cuda_kernels_bf16_match_the_twins():
     out = paged_decode_attention(*args, scale, **sc)
     twin = paged_decode_attention_torch(*args, scale, **sc)
     assert_close(out.float().cpu(), twin.double().cpu(), 2e-2)
+    # the engine's layout at Qwen3-8B heads: token-major values, pages of 256 (one page a 128-token
+    # tile), half rows; the slots past each context hold NaN bytes, which the unmasked value
+    # loads read and must not let through (their probabilities are 0 and their widening finite)
+    gen = torch.Generator().manual_seed(5)
+    lens8 = torch.tensor([1, 255, 256, 257, 1000, 1024, 700, 0], dtype=torch.int32)
+    tables8 = torch.randperm(8 * 4, generator=gen).view(8, 4).to(torch.int32)
+    k_big, v_big = (torch.randn(32, 256, 8, 128, generator=gen) for _ in range(2))
+    k8b, ksb, _ = quantize(k_big)
+    v8b, vsb, _ = quantize(v_big)
+    for b, n in enumerate(lens8.tolist()):
+        for i in range(n, 1024):  # past the context: NaN bytes (0x7f), scales left as they are
+            page, slot = tables8[b, i // 256], i % 256
+            k8b.view(torch.uint8)[page, slot] = 0x7F
+            v8b.view(torch.uint8)[page, slot] = 0x7F
+    qb = torch.randn(8, 32, 128, generator=gen).to(dev, torch.bfloat16)
+    big = (qb, k8b.to(dev), token_major(v8b.to(dev)), tables8.to(dev), lens8.to(dev))
+    scb = dict(k_scale=ksb.to(dev), v_scale=vsb.to(dev))
+    out = paged_decode_attention(*big, 128**-0.5, **scb)
+    twin = paged_decode_attention_torch(*big, 128**-0.5, **scb)
+    assert torch.isfinite(out).all()
+    assert_close(out.float().cpu(), twin.double().cpu(), 2e-2)
     # store_kv: the kernel's float8 values and scales against the twin's
     key = torch.randn(40, 2, 128, device=dev, dtype=torch.bfloat16)
     value = torch.randn(40, 2, 128, device=dev, dtype=torch.bfloat16)
@@ -416,7 +486,7 @@ def test_cuda_kernels_bf16_match_the_twins():
     caches = []
     for fn in (store_kv, store_kv_torch):
         kc = torch.zeros(4, 16, 2, 128, device=dev, dtype=FP8_DTYPE)
-        vc, ks, vs = kc.clone(), torch.zeros(4, 16, 2, device=dev), torch.zeros(4, 16, 2, device=dev)
+        vc, ks, vs = token_major(kc), torch.zeros(4, 16, 2, device=dev), torch.zeros(4, 16, 2, device=dev)
         fn(key, value, kc, vc, slots, k_scale=ks, v_scale=vs)
         caches.append((kc.float(), vc.float(), ks, vs))
     (k_a, v_a, ks_a, vs_a), (k_b, v_b, ks_b, vs_b) = caches
@@ -444,6 +514,20 @@ def test_cuda_kernels_bf16_match_the_twins():
     rs_twin = paged_redundancy_sums_torch(kv8[0].to(dev), tables2.to(dev), lengths2.to(dev), 0.9,
                                           int(lengths2.max()), k_scale=scales[0].to(dev))
     assert (rs - rs_twin).abs().max().item() < 1e-3
+    # compaction of token-major values with their scales, single pass and two phases: the same
+    # bytes as the twin's
+    for placement, single_pass in (("in-place", True), ("in-place-permuted", False)):
+        kv_group, score_group, kept, new_scores, tbl, tgt = ck.make_compact_inputs(16, torch.float32, placement,
+                                                                                 "new")
+        kv8c, scales_c = quantize_fp8_torch(kv_group._base.to(dev))
+        results = []
+        for fn in (compact_kv, compact_kv_torch):
+            keys_c, values_c, sc_c = kv8c[0].clone(), token_major(kv8c[1]), scales_c.clone()
+            fn((keys_c[1:], values_c[1:]), score_group.to(dev).clone(), kept.to(dev), new_scores.to(dev),
+               tbl.to(dev), tgt.to(dev), single_pass=single_pass, scale_group=sc_c[:, 1:])
+            results.append((keys_c.view(torch.uint8), values_c.view(torch.uint8), sc_c))
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
 
 
 @cuda

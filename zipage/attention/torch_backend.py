@@ -47,7 +47,8 @@ def paged_decode_attention_sdpa(q, k_cache, v_cache, block_tables, context_lens,
     page_index = torch.arange(num_pages, device=q.device)
     pages = torch.where(page_index[None, :] < used, block_tables[:, :num_pages].long(), 0)  # unused: block 0
     keys = k_cache[pages].view(batch, num_pages * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache[pages].view(batch, num_pages * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    # reshape: a float8 cache's token-major values come out of the gather in their own layout
+    values = v_cache[pages].reshape(batch, num_pages * block_size, num_kv_heads, head_dim).transpose(1, 2)
     if k_scale is not None:
         keys = keys.to(q.dtype) * k_scale[pages].view(batch, num_pages * block_size, num_kv_heads, 1).transpose(
             1, 2).to(q.dtype)

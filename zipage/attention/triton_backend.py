@@ -319,7 +319,11 @@ def _gather(k_cache, v_cache, slots, dtype, k_scale=None, v_scale=None):
     cache times its scales, each product rounded once to ``dtype``)."""
     kv_heads, head_dim = k_cache.shape[2:]
     keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
-    values = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
+    if v_cache.stride(3) == 1:
+        values = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
+    else:  # token-major values (a float8 cache): gathered element by element
+        block_size = v_cache.shape[1]
+        values = v_cache[slots // block_size, slots % block_size]
     if k_scale is not None:  # float8 -> dtype is exact; the in-place products run in float32
         keys = keys.to(dtype).mul_(k_scale.view(-1, kv_heads).index_select(0, slots)[..., None])
         values = values.to(dtype).mul_(v_scale.view(-1, kv_heads).index_select(0, slots)[..., None])

@@ -56,7 +56,8 @@ def _fill_requests(llm, count: int, rng: random.Random):
         scheduler.running.append(seq)
         seqs.append(seq)
     for block in (b for s in seqs for b in s.block_table):  # in place: no copy of the whole set
-        runner.kv_cache[:, :, block].normal_()
+        for plane in runner.kv_cache:
+            plane[:, block].normal_()
     runner.query_cache.normal_()
     return seqs
 
@@ -78,7 +79,7 @@ def _check_kernels(llm, seqs) -> dict:
     lengths = torch.tensor([s.kv_len for s in seqs], device=runner.device)
     n_max = tables.shape[1] * bs
     layers = slice(0, min(cfg.layer_group, runner.spec.num_layers))
-    keys = runner.kv_cache[0, layers]
+    keys = runner.kv_cache.keys[layers]
     rows = torch.stack([s.query_slot * cfg.window + torch.arange(cfg.window) for s in seqs]).to(runner.device)
     queries = runner.query_cache[layers][:, rows].transpose(0, 1).contiguous()
     scale = runner.spec.head_dim ** -0.5
@@ -106,11 +107,11 @@ def _check_kernels(llm, seqs) -> dict:
     free = llm.engine.block_manager.free_blocks
     targets = torch.tensor(list(free)[:len(seqs) * (tables.shape[1] - 1)], dtype=torch.int32,
                            device=runner.device).view(len(seqs), -1)
-    kv = runner.kv_cache[:, layers]
+    kv = runner.kv_cache.layers(layers)
     outs = []
     for compact in (ck.compact_kv, ck.compact_kv_torch):
         compact(kv, None, kept, None, tables, targets)
-        outs.append(kv[:, :, targets.flatten().long()].clone())
+        outs.append(torch.stack([plane[:, targets.flatten().long()] for plane in kv]))
     errors["compaction"] = rel(outs[0], outs[1])
     return errors
 

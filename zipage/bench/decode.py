@@ -191,8 +191,8 @@ def _run_batch(llm, args: argparse.Namespace, prompts: list[list[int]], make_par
     mean = sum(decode_times[2:]) / len(decode_times[2:])
     host = sorted(host_times[2:])[len(host_times[2:]) // 2]
     spec = runner.spec
-    kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * runner.kv_cache.element_size()
-    if runner.kv_cache.element_size() == 1:  # float8: and a float32 scale per token and KV head
+    kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * runner.kv_cache.keys.element_size()
+    if runner.kv_cache.keys.element_size() == 1:  # float8: and a float32 scale per token and KV head
         kv_bytes_per_token += 2 * spec.num_layers * spec.num_kv_heads * 4
     bytes_per_step = _weight_bytes(runner.model, batch) + batch * (args.context + args.steps / 2) * kv_bytes_per_token
     floor = bytes_per_step / COPY_BANDWIDTH_BYTES_PER_S

@@ -145,12 +145,14 @@ def _elementwise_rows(heads: int, kv_heads: int, head_dim: int, device=torch.dev
 
 
 def _as_fp8(k, v, enabled: bool):
-    """(k, v, {k_scale, v_scale}) as float8 with their scales when ``enabled``, else unchanged."""
+    """(k, v, {k_scale, v_scale}) as float8 with their scales when ``enabled``, else unchanged. The
+    float8 values are stored token-major, as the engine's float8 cache stores them."""
     if not enabled:
         return k, v, {}
     from zipage.kernels.common import quantize_fp8_torch
     k8, k_scale = quantize_fp8_torch(k)
     v8, v_scale = quantize_fp8_torch(v)
+    v8 = v8.movedim(1, 3).contiguous().movedim(3, 1)  # [blocks, kv_heads, head_dim, slots] in memory
     return k8, v8, dict(k_scale=k_scale, v_scale=v_scale)
 
 

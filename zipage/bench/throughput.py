@@ -252,7 +252,8 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
     setup_start = time.perf_counter()
     llm = LLM(model_dir, **kwargs)
     engine, runner = llm.engine, llm.engine.runner
-    kv_per_token = kv_bytes_per_token(runner.spec, runner.dtype)
+    from zipage.runner.kv_cache import bytes_per_block
+    kv_per_token = bytes_per_block(runner.spec, 1, runner.kv_dtype)  # the cache's bytes: float8 with its scales
     weight_bytes = _weight_bytes(runner.model)
     warm_up(engine, runner, opts, requests)
     setup_s = time.perf_counter() - setup_start  # engine start (weights, graphs, compiles) and warm-up

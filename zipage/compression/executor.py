@@ -19,6 +19,7 @@ from zipage.compression import policy
 from zipage.compression.planner import CompressionTask
 from zipage.config import CompressionConfig
 from zipage.kernels.choose_kept import CHOOSE_MAX_TOKENS, choose_kept_torch
+from zipage.runner.kv_cache import KVCache
 
 
 @dataclass
@@ -76,10 +77,12 @@ def compacts_in_place(tasks: list[CompressionTask]) -> bool:
 
 
 class Compressor:
-    def __init__(self, config: CompressionConfig, kv_cache: torch.Tensor, score_cache: torch.Tensor | None,
+    def __init__(self, config: CompressionConfig, kv_cache: KVCache | torch.Tensor, score_cache: torch.Tensor | None,
                  query_cache: torch.Tensor, scale: float, block_size: int, kv_scales: torch.Tensor | None = None):
         self.config = config
-        self.kv_cache = kv_cache  # [2, layers, blocks, block_size, kv_heads, head_dim]
+        if isinstance(kv_cache, torch.Tensor):  # [2, layers, ...]: keys and values of one layout
+            kv_cache = KVCache(kv_cache[0], kv_cache[1])
+        self.kv_cache = kv_cache  # keys and values, each [layers, blocks, block_size, kv_heads, head_dim]
         self.score_cache = score_cache  # [layers, blocks, block_size, kv_heads] float32, or None
         self.query_cache = query_cache  # [layers, slots * window + 1, heads, head_dim]
         # float8 cache: its scales [2, layers, blocks, block_size, kv_heads] float32, read with the
@@ -87,7 +90,7 @@ class Compressor:
         self.kv_scales = kv_scales
         self.scale = scale
         self.block_size = block_size
-        self.num_layers = kv_cache.shape[1]
+        self.num_layers = kv_cache.num_layers
         on_gpu = kv_cache.is_cuda
         from zipage.kernels import choose_kept, compact_kv, compress_scores
         self._attention = (compress_scores.paged_attention_scores if on_gpu
@@ -207,12 +210,12 @@ class Compressor:
         pool = b.pool if b.any_pool else False
         for first in range(0, self.num_layers, cfg.layer_group):
             layers = slice(first, min(first + cfg.layer_group, self.num_layers))
-            kv_group = self.kv_cache[:, layers]
+            kv_group = self.kv_cache.layers(layers)
             scale_group = self.kv_scales[:, layers] if self.kv_scales is not None else None
             fp8 = {} if scale_group is None else {"scale_group": scale_group}  # compaction
             key_scale = {} if scale_group is None else {"k_scale": scale_group[0]}  # scoring
             if cfg.policy in ("recency", "random"):  # baselines scored without attention
-                shape = (lengths, kv_group.shape[1], kv_group.shape[4], n_max)
+                shape = (lengths, kv_group.keys.shape[0], kv_group.keys.shape[3], n_max)
                 scores = (policy.position_scores(*shape) if cfg.policy == "recency"
                           else policy.random_scores(*shape, generator=self._generator))
                 kept = policy.choose_by_scores(scores, lengths, cfg, keep, b.sinks)

@@ -61,6 +61,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["block_table_stride", "active_stride", "kept_stride_req"])
     def _gather_kept_kernel(
         kv_ptr,
+        v_ptr,
         score_ptr,
         kept_ptr,
         block_tables_ptr,
@@ -71,11 +72,15 @@ if triton is not None:
         num_layers,
         num_kv_heads,
         keep,
-        kv_stride_kv,
         kv_stride_layer,
         kv_stride_block,
         kv_stride_slot,
         kv_stride_head,
+        v_stride_layer,
+        v_stride_block,
+        v_stride_slot,
+        v_stride_head,
+        v_stride_dim,
         score_stride_layer,
         score_stride_block,
         score_stride_slot,
@@ -128,7 +133,9 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         src_offsets = src[:, None] + dims[None, :]
         keys = tl.load(kv_ptr + src_offsets, mask=token_mask[:, None])
-        values = tl.load(kv_ptr + kv_stride_kv + src_offsets, mask=token_mask[:, None])
+        v_src = (layer.to(tl.int64) * v_stride_layer + pages.to(tl.int64) * v_stride_block + slots * v_stride_slot
+                 + kv_head * v_stride_head)
+        values = tl.load(v_ptr + v_src[:, None] + dims[None, :] * v_stride_dim, mask=token_mask[:, None])
 
         row = (req.to(tl.int64) * tl.num_programs(1) + local) * keep + tokens
         dst_offsets = row[:, None] * HEAD_DIM + dims[None, :]
@@ -148,6 +155,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["target_table_stride", "active_stride", "new_scores_stride_req"])
     def _scatter_kept_kernel(
         kv_ptr,
+        v_ptr,
         score_ptr,
         new_scores_ptr,
         target_tables_ptr,
@@ -156,11 +164,15 @@ if triton is not None:
         plane,
         num_kv_heads,
         keep,
-        kv_stride_kv,
         kv_stride_layer,
         kv_stride_block,
         kv_stride_slot,
         kv_stride_head,
+        v_stride_layer,
+        v_stride_block,
+        v_stride_slot,
+        v_stride_head,
+        v_stride_dim,
         score_stride_layer,
         score_stride_block,
         score_stride_slot,
@@ -209,7 +221,9 @@ if triton is not None:
         )
         dst_offsets = dst[:, None] + dims[None, :]
         tl.store(kv_ptr + dst_offsets, keys, mask=token_mask[:, None])
-        tl.store(kv_ptr + kv_stride_kv + dst_offsets, values, mask=token_mask[:, None])
+        v_dst = (layer.to(tl.int64) * v_stride_layer + pages.to(tl.int64) * v_stride_block + slots * v_stride_slot
+                 + kv_head * v_stride_head)
+        tl.store(v_ptr + v_dst[:, None] + dims[None, :] * v_stride_dim, values, mask=token_mask[:, None])
         if WRITE_SCORES:
             # new_scores is either the caller's tensor or phase 1's score scratch.
             scores = tl.load(
@@ -235,6 +249,7 @@ if triton is not None:
         "block_table_stride", "target_table_stride", "active_stride", "kept_stride_req", "new_scores_stride_req"])
     def _compact_single_pass_kernel(
         kv_ptr,
+        v_ptr,
         score_ptr,
         new_scores_ptr,
         kept_ptr,
@@ -244,11 +259,15 @@ if triton is not None:
         active_stride,
         num_kv_heads,
         keep,
-        kv_stride_kv,
         kv_stride_layer,
         kv_stride_block,
         kv_stride_slot,
         kv_stride_head,
+        v_stride_layer,
+        v_stride_block,
+        v_stride_slot,
+        v_stride_head,
+        v_stride_dim,
         score_stride_layer,
         score_stride_block,
         score_stride_slot,
@@ -283,6 +302,7 @@ if triton is not None:
         sources = block_tables_ptr + req.to(tl.int64) * block_table_stride
         targets = target_tables_ptr + req.to(tl.int64) * target_table_stride
         plane = layer.to(tl.int64) * kv_stride_layer + kv_head * kv_stride_head
+        v_plane = layer.to(tl.int64) * v_stride_layer + kv_head * v_stride_head
         score_plane = layer.to(tl.int64) * score_stride_layer + kv_head * score_stride_head
         new_score_row = (new_scores_ptr + req.to(tl.int64) * new_scores_stride_req
                          + layer * new_scores_stride_layer + kv_head * new_scores_stride_head)
@@ -295,7 +315,8 @@ if triton is not None:
             slots = kept % PAGE_SIZE
             src = plane + pages.to(tl.int64) * kv_stride_block + slots * kv_stride_slot
             keys = tl.load(kv_ptr + src[:, None] + dims[None, :], mask=token_mask[:, None])
-            values = tl.load(kv_ptr + kv_stride_kv + src[:, None] + dims[None, :], mask=token_mask[:, None])
+            v_src = v_plane + pages.to(tl.int64) * v_stride_block + slots * v_stride_slot
+            values = tl.load(v_ptr + v_src[:, None] + dims[None, :] * v_stride_dim, mask=token_mask[:, None])
             if SCORES == 1:
                 score_src = score_plane + pages.to(tl.int64) * score_stride_block + slots * score_stride_slot
                 scores = tl.load(score_ptr + score_src, mask=token_mask)
@@ -308,18 +329,25 @@ if triton is not None:
             dst_slots = tokens % PAGE_SIZE
             dst = plane + dst_pages.to(tl.int64) * kv_stride_block + dst_slots * kv_stride_slot
             tl.store(kv_ptr + dst[:, None] + dims[None, :], keys, mask=token_mask[:, None])
-            tl.store(kv_ptr + kv_stride_kv + dst[:, None] + dims[None, :], values, mask=token_mask[:, None])
+            v_dst = v_plane + dst_pages.to(tl.int64) * v_stride_block + dst_slots * v_stride_slot
+            tl.store(v_ptr + v_dst[:, None] + dims[None, :] * v_stride_dim, values, mask=token_mask[:, None])
             if SCORES != 0:
                 score_dst = score_plane + dst_pages.to(tl.int64) * score_stride_block + dst_slots * score_stride_slot
                 tl.store(score_ptr + score_dst, scores, mask=token_mask)
 
 
+def _planes(kv_group):
+    """(keys, values) of a layer group: a [2, L, ...] tensor or a pair (``runner.kv_cache.KVCache``)."""
+    return kv_group[0], kv_group[1]
+
+
 def _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables, scale_group=None):
-    assert kv_group.dim() == 6 and kv_group.shape[0] == 2, "kv_group: [2, L, num_blocks, b, H, d]"
-    _, num_layers, num_blocks, block_size, num_kv_heads, _ = kv_group.shape
-    assert (scale_group is None) == (not is_fp8(kv_group.dtype)), "a float8 cache goes with its scales, and only it"
+    keys, values = _planes(kv_group)
+    assert keys.dim() == 5 and values.shape == keys.shape, "kv_group: keys and values, each [L, num_blocks, b, H, d]"
+    num_layers, num_blocks, block_size, num_kv_heads, _ = keys.shape
+    assert (scale_group is None) == (not is_fp8(keys.dtype)), "a float8 cache goes with its scales, and only it"
     if scale_group is not None:
-        assert scale_group.shape == kv_group.shape[:5] and scale_group.dtype == torch.float32
+        assert scale_group.shape == (2, *keys.shape[:4]) and scale_group.dtype == torch.float32
         assert scale_group.stride(4) == 1
     assert kept.dim() == 4 and kept.shape[1:3] == (num_layers, num_kv_heads)
     num_requests, _, _, keep = kept.shape
@@ -337,8 +365,10 @@ def compact_kv(kv_group, score_group, kept, new_scores, block_tables, target_tab
                active=None, scale_group=None):
     """Move the kept tokens of every (request, layer, KV head) to their target slots.
 
-    kv_group: [2, L, num_blocks, b, H, d] (K and V planes of a layer group, any
-    strides with a contiguous last dimension); score_group: [L, num_blocks, b, H]
+    kv_group: the keys and values of a layer group, each [L, num_blocks, b, H, d]: a
+    [2, L, num_blocks, b, H, d] tensor or a pair of tensors (the keys with a
+    contiguous last dimension, the values with any strides: a float8 cache stores
+    them token-major); score_group: [L, num_blocks, b, H]
     float32 score cache or None; kept: int64 [R, L, H, keep], ascending indices
     into each request's current KV order (< its length); new_scores: float32
     [R, L, H, keep], the scores stored with the kept tokens, or None to move the
@@ -359,18 +389,20 @@ def compact_kv(kv_group, score_group, kept, new_scores, block_tables, target_tab
     if scale_group is not None:
         compact_kv(scale_group[..., None], None, kept, None, block_tables, target_tables, single_pass=single_pass,
                    active=active)
-        kv_group = kv_group.view(torch.uint8)  # moved as bytes
-    _, num_layers, _, block_size, num_kv_heads, head_dim = kv_group.shape
+    keys, values = _planes(kv_group)
+    if scale_group is not None:  # moved as bytes
+        keys, values = keys.view(torch.uint8), values.view(torch.uint8)
+    num_layers, _, block_size, num_kv_heads, head_dim = keys.shape
     num_requests, _, _, keep = kept.shape
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
-    assert kv_group.stride(5) == 1 and block_tables.stride(1) == 1 and target_tables.stride(1) == 1
+    assert keys.stride(4) == 1 and block_tables.stride(1) == 1 and target_tables.stride(1) == 1
     assert active is None or active.shape == (num_requests,)
     if num_requests == 0 or keep == 0:
         return
 
-    device = kv_group.device
-    kv_strides = (kv_group.stride(0), kv_group.stride(1), kv_group.stride(2), kv_group.stride(3), kv_group.stride(4))
-    score_args = score_group if score_group is not None else kv_group  # unused without scores
+    device = keys.device
+    kv_strides = (*keys.stride()[:4], *values.stride())
+    score_args = score_group if score_group is not None else keys  # unused without scores
     score_strides = score_group.stride() if score_group is not None else (0, 0, 0, 0)
     active_args = (active, active.stride(0)) if active is not None else (kept, 0)  # unused without flags
     num_layer_heads = num_layers * num_kv_heads
@@ -381,7 +413,7 @@ def compact_kv(kv_group, score_group, kept, new_scores, block_tables, target_tab
         new_score_strides = new_scores.stride() if new_scores is not None else (0, 0, 0, 0)
         block_t = min(SINGLE_PASS_TOKENS, max(16, triton.next_power_of_2(keep)))
         _compact_single_pass_kernel[(num_layer_heads, num_requests)](
-            kv_group, score_args, new_score_args, kept, block_tables, target_tables, *active_args,
+            keys, values, score_args, new_score_args, kept, block_tables, target_tables, *active_args,
             num_kv_heads, keep, *kv_strides, *score_strides, *new_score_strides, *kept.stride(),
             block_tables.stride(0), target_tables.stride(0),
             PAGE_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_T=block_t, SCORES=scores_mode,
@@ -393,9 +425,9 @@ def compact_kv(kv_group, score_group, kept, new_scores, block_tables, target_tab
     # is split into chunks of layer x head pairs whose scratch stays within
     # COMPACT_SCRATCH_BYTES; within a chunk all requests go together (a request's
     # target block may be another request's source block).
-    bytes_per_layer_head = 2 * num_requests * keep * head_dim * kv_group.element_size()
+    bytes_per_layer_head = 2 * num_requests * keep * head_dim * keys.element_size()
     chunk = max(1, min(num_layer_heads, COMPACT_SCRATCH_BYTES // bytes_per_layer_head))
-    kv_scratch = torch.empty(2, num_requests, chunk, keep, head_dim, dtype=kv_group.dtype, device=device)
+    kv_scratch = torch.empty(2, num_requests, chunk, keep, head_dim, dtype=keys.dtype, device=device)
     move_scores = score_group is not None and new_scores is None
     if move_scores:
         score_scratch = torch.empty(num_requests, num_layers, num_kv_heads, keep, dtype=score_group.dtype,
@@ -410,14 +442,14 @@ def compact_kv(kv_group, score_group, kept, new_scores, block_tables, target_tab
     for begin in range(0, num_layer_heads, chunk):
         grid = (triton.cdiv(keep, block_t), min(chunk, num_layer_heads - begin), num_requests)
         _gather_kept_kernel[grid](
-            kv_group, score_args, kept, block_tables, kv_scratch, score_scratch,
+            keys, values, score_args, kept, block_tables, kv_scratch, score_scratch,
             begin, kv_scratch.stride(0), num_layers, num_kv_heads, keep,
             *kv_strides, *score_strides, *kept.stride(), block_tables.stride(0), *active_args,
             PAGE_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_T=block_t, GATHER_SCORES=move_scores,
             HAS_ACTIVE=active is not None, num_warps=COMPACT_NUM_WARPS,
         )  # fmt: skip
         _scatter_kept_kernel[grid](
-            kv_group, score_args, new_score_args, target_tables, kv_scratch,
+            keys, values, score_args, new_score_args, target_tables, kv_scratch,
             begin, kv_scratch.stride(0), num_kv_heads, keep,
             *kv_strides, *score_strides, *new_score_strides, target_tables.stride(0), *active_args,
             PAGE_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_T=block_t, WRITE_SCORES=score_group is not None,
@@ -431,16 +463,18 @@ def compact_kv_torch(kv_group, score_group, kept, new_scores, block_tables, targ
     _check_args(kv_group, score_group, kept, new_scores, block_tables, target_tables, scale_group)
     if scale_group is not None:
         compact_kv_torch(scale_group[..., None], None, kept, None, block_tables, target_tables, active=active)
-        kv_group = kv_group.view(torch.uint8)  # moved as bytes
+    keys, values = _planes(kv_group)
+    if scale_group is not None:  # moved as bytes
+        keys, values = keys.view(torch.uint8), values.view(torch.uint8)
     if active is not None:
         rows = active.to(device=kept.device, dtype=torch.bool).nonzero().flatten()
         kept, block_tables, target_tables = kept[rows], block_tables[rows], target_tables[rows]
         new_scores = new_scores[rows] if new_scores is not None else None
-    _, num_layers, _, block_size, num_kv_heads, _ = kv_group.shape
+    num_layers, _, block_size, num_kv_heads, _ = keys.shape
     num_requests, _, _, keep = kept.shape
     if num_requests == 0 or keep == 0:
         return
-    device = kv_group.device
+    device = keys.device
     req = torch.arange(num_requests, device=device).view(-1, 1, 1, 1)
     layer = torch.arange(num_layers, device=device).view(1, -1, 1, 1)
     head = torch.arange(num_kv_heads, device=device).view(1, 1, -1, 1)
@@ -454,8 +488,9 @@ def compact_kv_torch(kv_group, score_group, kept, new_scores, block_tables, targ
     dst_slots = positions % block_size
 
     # Phase 1: gather (advanced indexing copies), phase 2: write through the views.
-    rows = kv_group[:, layer, src_blocks, src_slots, head]  # [2, R, L, H, keep, d]
+    rows = [plane[layer, src_blocks, src_slots, head] for plane in (keys, values)]  # [R, L, H, keep, d] each
     if score_group is not None:
         scores = score_group[layer, src_blocks, src_slots, head] if new_scores is None else new_scores
         score_group[layer, dst_blocks, dst_slots, head] = scores.to(score_group.dtype)
-    kv_group[:, layer, dst_blocks, dst_slots, head] = rows
+    for plane, plane_rows in zip((keys, values), rows):
+        plane[layer, dst_blocks, dst_slots, head] = plane_rows

@@ -31,7 +31,8 @@ DECODE_TILE_CONFIG = {128: (128, 4, 3), 256: (64, 4, 3), 512: (32, 4, 2)}
 # A float8 cache read a half of head_dim at a time (``_decode_split_kernel``'s HALVES), by the
 # same key; measured on an H200 (Qwen3-8B heads, batch 16-256, contexts of 2,048-4,096 tokens,
 # docs/fp8.md "Decode attention speed"): two stages beat three by 0-8%, 8 warps and tiles of
-# 64 or 256 tokens lost at every size.
+# 64 or 256 tokens lost at every size; with the values token-major (a float8 cache's layout)
+# three stages, 8 warps and 64-token tiles lost again (15-45%).
 DECODE_TILE_CONFIG_FP8_HALVES = {128: (128, 4, 2)}
 # Split-K aims at this many programs per SM (about 8 waves of the 4 that are
 # resident at once), so that batches of unequal context lengths balance
@@ -80,6 +81,10 @@ if triton is not None:
         v_scale_ptr,
         scale_stride_block,
         scale_stride_slot,
+        v_stride_block,
+        v_stride_slot,
+        v_stride_head,
+        v_stride_dim,
         GROUP_SIZE: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -90,9 +95,14 @@ if triton is not None:
         FP8: tl.constexpr,
         FAST_FP8: tl.constexpr,
         HALVES: tl.constexpr,
+        V_TOKEN_MAJOR: tl.constexpr,
+        PAGE_PER_TILE: tl.constexpr,
     ):
         """One program per (seq, kv_head, split); writes `out` directly when the sequence
-        needs one split (always when SINGLE_SPLIT)."""
+        needs one split (always when SINGLE_SPLIT). V_TOKEN_MAJOR: the values are stored
+        token-major (v_stride_slot 1). PAGE_PER_TILE: BLOCK_N divides PAGE_SIZE, so that a tile
+        lies in one page (with token-major values, each value dimension's tokens are then one
+        contiguous run)."""
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -138,12 +148,16 @@ if triton is not None:
         for tile in range(tile_begin, tile_end):
             positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = positions < context_len
-            # A tile may span several pages when BLOCK_N > PAGE_SIZE: look up the
-            # page of every token (repeated entries hit the cache).
-            pages = tl.load(block_table_row + positions // PAGE_SIZE, mask=valid, other=0)
-            token_offsets = (
-                pages.to(tl.int64) * cache_stride_block + (positions % PAGE_SIZE) * cache_stride_slot + kv_head_offset
-            )
+            if PAGE_PER_TILE:  # one table entry, and slots known to be consecutive
+                page = tl.load(block_table_row + (tile * BLOCK_N) // PAGE_SIZE)
+                pages = tl.full([BLOCK_N], 0, tl.int32) + page
+                slots = (tile % (PAGE_SIZE // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+            else:
+                # A tile may span several pages when BLOCK_N > PAGE_SIZE: look up the
+                # page of every token (repeated entries hit the cache).
+                pages = tl.load(block_table_row + positions // PAGE_SIZE, mask=valid, other=0)
+                slots = positions % PAGE_SIZE
+            token_offsets = pages.to(tl.int64) * cache_stride_block + slots * cache_stride_slot + kv_head_offset
             if HALVES:
                 k_rows = k_cache_ptr + token_offsets[:, None]
                 k_lo = tl.load(k_rows + half_dims[None, :], mask=valid[:, None], other=0.0)
@@ -156,12 +170,14 @@ if triton is not None:
                 # Masked (not just discarded) so that stale NaNs past the context
                 # cannot reach the P @ V product.
                 k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-                v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
+                if not V_TOKEN_MAJOR:
+                    v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)
                 if FP8:
                     # float8 -> the query's dtype is exact; each key's scale multiplies its logit
                     # and each value's scale its probability (the same products as dequantizing).
                     k = widen_fp8(k, q.dtype, FAST_FP8)
-                    v = widen_fp8(v, q.dtype, FAST_FP8)
+                    if not V_TOKEN_MAJOR:
+                        v = widen_fp8(v, q.dtype, FAST_FP8)
                 scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             if FP8:
                 k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, pages, positions, scale_stride_block,
@@ -178,7 +194,33 @@ if triton is not None:
             if FP8:
                 probs = probs * v_scale[None, :]
             probs = probs.to(q.dtype)
-            if HALVES:
+            if V_TOKEN_MAJOR:
+                # Values [dims, tokens] of one page, tokens contiguous: P @ V sums over the tokens,
+                # and each thread's operand words hold consecutive ones. Past the context they are
+                # the page's stale values (finite: the cache starts zeroed and FAST_FP8's widening
+                # makes every byte finite) times a probability of 0, so only the slow widening,
+                # which would turn a stale NaN byte into NaN, needs the mask (it breaks the vectors).
+                if PAGE_PER_TILE:
+                    v_cols = (v_cache_ptr + page.to(tl.int64) * v_stride_block + kv_head * v_stride_head
+                              + slots[None, :])
+                    v_mask = valid[None, :] | FAST_FP8
+                else:  # pages smaller than a tile: each token's own page, byte by byte
+                    v_cols = (v_cache_ptr + (pages.to(tl.int64) * v_stride_block + kv_head * v_stride_head
+                                             + slots)[None, :])
+                    v_mask = valid[None, :]
+                if HALVES:
+                    v_lo = tl.load(v_cols + half_dims[:, None] * v_stride_dim, mask=v_mask, other=0.0)
+                    acc_lo = tl.dot(probs, tl.trans(widen_fp8(v_lo, q.dtype, FAST_FP8)), acc_lo * correction[:, None],
+                                    input_precision=DOT_PRECISION)
+                    v_hi = tl.load(v_cols + (HALF + half_dims[:, None]) * v_stride_dim, mask=v_mask, other=0.0)
+                    acc_hi = tl.dot(probs, tl.trans(widen_fp8(v_hi, q.dtype, FAST_FP8)), acc_hi * correction[:, None],
+                                    input_precision=DOT_PRECISION)
+                else:
+                    v = tl.load(v_cols + dims[:, None] * v_stride_dim, mask=v_mask, other=0.0)
+                    if FP8:
+                        v = widen_fp8(v, q.dtype, FAST_FP8)
+                    acc = tl.dot(probs, tl.trans(v), acc * correction[:, None], input_precision=DOT_PRECISION)
+            elif HALVES:
                 v_rows = v_cache_ptr + token_offsets[:, None]
                 v_lo = tl.load(v_rows + half_dims[None, :], mask=valid[:, None], other=0.0)
                 acc_lo = tl.dot(probs, widen_fp8(v_lo, q.dtype, FAST_FP8), acc_lo * correction[:, None],
@@ -275,6 +317,12 @@ def _halves(head_dim: int, cache_dtype: torch.dtype) -> bool:
     return is_fp8(cache_dtype) and head_dim >= 32
 
 
+def _token_major(v_cache: torch.Tensor) -> bool:
+    """Whether a [blocks, block_size, kv_heads, head_dim] value cache is stored token-major (slots
+    contiguous; a block of one slot reads either way)."""
+    return v_cache.stride(1) == 1 and v_cache.shape[1] > 1
+
+
 def _choose_num_splits(batch, num_kv_heads, max_tiles, min_split_tiles, device):
     """Splits per sequence from static shapes only (CUDA-graph safe).
 
@@ -294,7 +342,7 @@ def _check_args(q, k_cache, v_cache, block_tables, context_lens, k_scale=None, v
         assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
         assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.stride(2) == 1
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    assert v_cache.shape == k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
     assert block_tables.dim() == 2 and block_tables.shape[0] == batch
     assert context_lens.shape == (batch,)
@@ -305,9 +353,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     """Attend each sequence's single query to its first context_lens[i] cached tokens.
 
     q: [batch, num_heads, head_dim]; k_cache / v_cache: [num_blocks, block_size,
-    kv_heads, head_dim]; block_tables: int32 [batch, >= pages needed];
-    context_lens: int32 [batch] (0 gives zeros). Returns [batch, num_heads,
-    head_dim] in q.dtype, written into `out` when given. num_splits and
+    kv_heads, head_dim], the values either with the keys' layout or token-major (slots
+    contiguous, as a float8 cache stores them: ``runner.kv_cache.values_token_major``);
+    block_tables: int32 [batch, >= pages needed]; context_lens: int32 [batch] (0 gives
+    zeros). Returns [batch, num_heads, head_dim] in q.dtype, written into `out` when given. num_splits and
     min_split_tokens override the split-K factor and DECODE_MIN_SPLIT_TOKENS, and tile
     the (tokens per tile, num_warps, num_stages) of DECODE_TILE_CONFIG (for tuning and
     tests). CUDA-graph capturable. A float8 e4m3 cache comes with its
@@ -332,6 +381,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 
     group_size = num_heads // num_kv_heads
     block_n, num_warps, num_stages = tile or decode_tile(head_dim, k_cache.dtype)
+    token_major = _token_major(v_cache)
+    if token_major:  # one page a tile where pages allow (every tl.dot operand is at least 16 wide)
+        block_n = max(16, min(block_n, block_size))
+    else:
+        assert v_cache.stride(3) == 1, "the values are stored row-major (head_dim contiguous) or token-major"
     max_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)
     if min_split_tokens is None:
         fill = DECODE_FILL_PROGRAMS_PER_SM * multiprocessor_count(q.device)
@@ -359,12 +413,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
             k_cache.stride(2), block_tables.stride(0), num_heads, num_splits, min_split_tiles,
             k_scale if fp8 else context_lens,  # placeholders, never read
             v_scale if fp8 else context_lens,
-            k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0)
+            k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, *v_cache.stride())
     constexprs = dict(GROUP_SIZE=group_size, GROUP_PAD=max(16, triton.next_power_of_2(group_size)),
                       HEAD_DIM=head_dim, PAGE_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single_split,
                       DOT_PRECISION=dot_precision(q.dtype), FP8=fp8,
                       FAST_FP8=fp8 and fast_fp8_widening(q.dtype, q.device),
-                      HALVES=_halves(head_dim, k_cache.dtype))
+                      HALVES=_halves(head_dim, k_cache.dtype), V_TOKEN_MAJOR=token_major,
+                      PAGE_PER_TILE=token_major and block_size % block_n == 0)
     launch_kernel(_decode_split_kernel, (batch, num_kv_heads, num_splits), args, constexprs, launches,
                   num_warps=num_warps, num_stages=num_stages)
     if not single_split:

@@ -52,6 +52,10 @@ if triton is not None:
         scale_stride_block,
         scale_stride_slot,
         kv_head,
+        v_stride_block,
+        v_stride_slot,
+        v_stride_head,
+        v_stride_dim,
         HEAD_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -59,11 +63,14 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         FP8: tl.constexpr,
         FAST_FP8: tl.constexpr,
+        V_TILE_PAGE: tl.constexpr,
     ):
         """Online-softmax update with keys key_begin:key_begin+BLOCK_N.
 
         With CAUSAL False the caller guarantees every key is valid and visible to
-        every query row, so no masking is done.
+        every query row, so no masking is done. V_TILE_PAGE: the values are stored
+        token-major and the tile lies in one page (BLOCK_N divides PAGE_SIZE; key_begin
+        is a multiple of BLOCK_N), so that each value dimension's tokens are one run.
         """
         positions = key_begin + tl.arange(0, BLOCK_N)
         dims = tl.arange(0, HEAD_DIM)
@@ -71,12 +78,28 @@ if triton is not None:
         pages = tl.load(block_table_row + positions // PAGE_SIZE, mask=in_context, other=0)
         token_offsets = pages.to(tl.int64) * cache_stride_block + (positions % PAGE_SIZE) * cache_stride_slot
         kv_offsets = (token_offsets + kv_head_offset)[:, None] + dims[None, :]
+        if V_TILE_PAGE:  # values [dims, tokens] of one page, read as runs of tokens
+            page = tl.load(block_table_row + key_begin // PAGE_SIZE)
+            v_cols = (page.to(tl.int64) * v_stride_block + kv_head * v_stride_head
+                      + (key_begin % PAGE_SIZE + tl.arange(0, BLOCK_N)))
+            v_offsets = v_cols[None, :] + dims[:, None] * v_stride_dim
+        else:  # row-major values, or token-major ones in pages smaller than a tile
+            v_offsets = ((pages.to(tl.int64) * v_stride_block + (positions % PAGE_SIZE) * v_stride_slot
+                          + kv_head * v_stride_head)[:, None] + dims[None, :] * v_stride_dim)
         if CAUSAL:
             k = tl.load(k_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
+            if V_TILE_PAGE:
+                # Past the context: the page's stale values (finite: the cache starts zeroed and
+                # FAST_FP8's widening makes every byte finite) times a probability of 0; only the
+                # slow widening needs the mask.
+                v = tl.trans(tl.load(v_cache_ptr + v_offsets, mask=in_context[None, :] | FAST_FP8, other=0.0))
+            else:
+                v = tl.load(v_cache_ptr + v_offsets, mask=in_context[:, None], other=0.0)
         else:
             k = tl.load(k_cache_ptr + kv_offsets)
-            v = tl.load(v_cache_ptr + kv_offsets)
+            v = tl.load(v_cache_ptr + v_offsets)
+            if V_TILE_PAGE:
+                v = tl.trans(v)
 
         if FP8:
             # float8 -> the query's dtype is exact; each key's scale multiplies its logit
@@ -124,6 +147,10 @@ if triton is not None:
         v_scale_ptr,
         scale_stride_block,
         scale_stride_slot,
+        v_stride_block,
+        v_stride_slot,
+        v_stride_head,
+        v_stride_dim,
         GROUP_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
@@ -132,6 +159,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         FP8: tl.constexpr,
         FAST_FP8: tl.constexpr,
+        V_TILE_PAGE: tl.constexpr,
     ):
         """One program per (BLOCK_M query rows, sequence, query head)."""
         q_tile = tl.program_id(0)
@@ -176,7 +204,9 @@ if triton is not None:
                 k_cache_ptr, v_cache_ptr, block_table_row, kv_head_offset,
                 cache_stride_block, cache_stride_slot, scale_log2,
                 k_scale_ptr, v_scale_ptr, scale_stride_block, scale_stride_slot, kv_head,
+                v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
                 HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, FP8=FP8, FAST_FP8=FAST_FP8,
+                V_TILE_PAGE=V_TILE_PAGE,
             )  # fmt: skip
         for key_begin in range(unmasked_end, key_end, BLOCK_N):
             row_max, row_sum, acc = _attend_tile(
@@ -184,7 +214,9 @@ if triton is not None:
                 k_cache_ptr, v_cache_ptr, block_table_row, kv_head_offset,
                 cache_stride_block, cache_stride_slot, scale_log2,
                 k_scale_ptr, v_scale_ptr, scale_stride_block, scale_stride_slot, kv_head,
+                v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
                 HEAD_DIM, PAGE_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION, FP8=FP8, FAST_FP8=FAST_FP8,
+                V_TILE_PAGE=V_TILE_PAGE,
             )  # fmt: skip
 
         result = acc / row_sum[:, None]
@@ -204,7 +236,7 @@ def _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k
         assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.stride(2) == 1
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, cache_head_dim = k_cache.shape[2:]
-    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    assert v_cache.shape == k_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
     batch = context_lens.shape[0]
     assert cu_seqlens_q.shape == (batch + 1,) and block_tables.shape[0] == batch
@@ -216,7 +248,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
 
     q: [total_q, num_heads, head_dim]; cu_seqlens_q: int32 [batch + 1];
     context_lens: int32 [batch] (>= each sequence's q_len, keys already
-    stored); max_seqlen_q: host int >= every q_len. Returns [total_q,
+    stored); v_cache may have any strides (a float8 cache stores its values
+    token-major), k_cache a contiguous last dimension; max_seqlen_q: host int >= every q_len. Returns [total_q,
     num_heads, head_dim] in q.dtype. A float8 e4m3 cache comes with its float32
     scales k_scale / v_scale [num_blocks, block_size, kv_heads].
     """
@@ -258,6 +291,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         v_scale if fp8 else context_lens,
         k_scale.stride(0) if fp8 else 0,
         k_scale.stride(1) if fp8 else 0,
+        *v_cache.stride(),
         GROUP_SIZE=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         PAGE_SIZE=block_size,
@@ -266,6 +300,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         DOT_PRECISION=dot_precision(q.dtype),
         FP8=fp8,
         FAST_FP8=fp8 and fast_fp8_widening(q.dtype, q.device),
+        V_TILE_PAGE=v_cache.stride(1) == 1 and block_size > 1 and block_size % block_n == 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -58,6 +58,10 @@ if triton is not None:
         cache_stride_block,
         cache_stride_slot,
         cache_stride_head,
+        v_stride_block,
+        v_stride_slot,
+        v_stride_head,
+        v_stride_dim,
         num_kv_heads,
         query_ptr,
         query_cache_ptr,
@@ -101,6 +105,13 @@ if triton is not None:
             + heads * cache_stride_head
             + dims
         )
+        # The values may be laid out otherwise (a float8 cache stores them token-major).
+        v_offsets = (
+            (slot // PAGE_SIZE) * v_stride_block
+            + (slot % PAGE_SIZE) * v_stride_slot
+            + heads * v_stride_head
+            + dims * v_stride_dim
+        )
         if FP8:
             key = tl.load(key_ptr + token * key_stride_token + heads * key_stride_head + dims, mask=head_mask,
                           other=0.0).to(tl.float32)
@@ -118,7 +129,7 @@ if triton is not None:
             value = tl.load(value_ptr + token * value_stride_token + heads * value_stride_head + dims,
                             mask=head_mask)
         tl.store(k_cache_ptr + cache_offsets, key, mask=head_mask)
-        tl.store(v_cache_ptr + cache_offsets, value, mask=head_mask)
+        tl.store(v_cache_ptr + v_offsets, value, mask=head_mask)
 
 
 def _check_args(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None,
@@ -129,7 +140,7 @@ def _check_args(key, value, k_cache, v_cache, slot_mapping, query=None, query_ca
     if k_scale is not None:
         assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
         assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.stride(2) == 1
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    assert k_cache.shape == v_cache.shape and k_cache.dim() == 4
     assert key.shape[1:] == k_cache.shape[2:]
     assert slot_mapping.shape == key.shape[:1]
     assert (query is None) == (query_cache is None) == (query_slots is None), "query, its cache and slots go together"
@@ -144,7 +155,8 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache
     and, when given, query[i] ([num_tokens, heads, head_dim]) at query_cache[query_slots[i]].
 
     key, value and query may be strided views (e.g. slices of a fused qkv output) as
-    long as the last dimension is contiguous. Slots < 0 are skipped (query slots are
+    long as the last dimension is contiguous; so may k_cache, while v_cache may have any
+    strides (a float8 cache stores its values token-major). Slots < 0 are skipped (query slots are
     all written: rows outside a window point at a spare row). With a float8 cache,
     k_scale / v_scale ([num_blocks, block_size, kv_heads] float32) receive each row's scale.
     ``launches``: the step's ``common.StepLaunches`` when the call repeats layer after layer.
@@ -168,7 +180,8 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache
     if not fp8:  # placeholders, never read
         k_scale = v_scale = slot_mapping
     args = (key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0),
-            value.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_kv_heads, query,
+            value.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(), num_kv_heads,
+            query,
             query_cache, query_slots, query.stride(0), query.stride(1), query_cache.stride(0), query_cache.stride(1),
             query.shape[1], k_scale, v_scale, k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0)
     constexprs = dict(PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
@@ -188,11 +201,11 @@ def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, query=None, query
     if k_scale is not None:
         key, key_scale = quantize_fp8_torch(key[keep])
         value, value_scale = quantize_fp8_torch(value[keep])
-        k_cache.view(-1, num_kv_heads, head_dim)[slots] = key
-        v_cache.view(-1, num_kv_heads, head_dim)[slots] = value
         k_scale.view(-1, num_kv_heads)[slots] = key_scale
         v_scale.view(-1, num_kv_heads)[slots] = value_scale
-        return
-    # view() (not reshape) so that the writes land in the cache itself.
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+    else:
+        key, value = key[keep].to(k_cache.dtype), value[keep].to(v_cache.dtype)
+    # Indexed by (block, slot), which writes into the caches whatever their strides.
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[blocks, offsets] = key
+    v_cache[blocks, offsets] = value

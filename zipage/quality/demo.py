@@ -185,7 +185,7 @@ def run(model_dir: str, encoded: list[qeval.Encoded], compression, device: str =
     if failed:
         raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0].error}")
     cache = engine.runner.kv_cache
-    block_bytes = cache[:, :, 0].numel() * cache.element_size()
+    block_bytes = cache.block_bytes()
     peaks = [o.metrics.peak_blocks * block_bytes for o in outputs]
     result = qeval.score(encoded, outputs)
     result.update(seconds=elapsed, peak_kv_bytes_mean=sum(peaks) / len(peaks),

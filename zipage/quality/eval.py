@@ -164,7 +164,7 @@ def run_engine(model_dir: str, encoded: list[Encoded], compression=None, device:
     outputs = llm.generate([e.prompt_ids for e in encoded], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     cache = llm.engine.runner.kv_cache
-    block_bytes = cache[:, :, 0].numel() * cache.element_size()
+    block_bytes = cache.block_bytes()
     peaks = [o.metrics.peak_blocks * block_bytes for o in outputs]
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = score(encoded, outputs)

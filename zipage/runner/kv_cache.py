@@ -1,16 +1,19 @@
-"""Size and allocate the paged KV cache: [2, layers, blocks, block_size, kv_heads, head_dim].
+"""Size and allocate the paged KV cache: keys and values, each [layers, blocks, block_size,
+kv_heads, head_dim].
 
 With ``kv_cache_dtype="fp8"`` the cache holds float8 e4m3 and a second tensor its float32
 scales, one per token and KV head: [2, layers, blocks, block_size, kv_heads] (docs/fp8.md).
+A float8 cache also stores each block's values token-major (see ``allocate_kv_cache``).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
-from zipage.kernels.common import FP8_DTYPE
+from zipage.kernels.common import FP8_DTYPE, is_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -114,15 +117,64 @@ def allocate_score_cache(spec, num_blocks: int, block_size: int, device) -> torc
                        dtype=torch.float32, device=device)
 
 
-def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) -> torch.Tensor:
-    """One tensor for all layers; each attention layer gets views of its K and V. Zeroed, so that
-    slots never written hold finite values (the CPU decode path reads past contexts, masked)."""
+class KVCache(NamedTuple):
+    """The paged cache of every layer: ``keys`` and ``values``, each indexed [layer, block, slot,
+    kv_head, dim]; ``cache[0]`` / ``cache[1]`` are the keys / values as well."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.keys.is_cuda
+
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    def layers(self, which) -> "KVCache":
+        """The keys and values of the layers ``which`` (an index or a slice: views)."""
+        return KVCache(self.keys[which], self.values[which])
+
+    def block_bytes(self) -> int:
+        """Bytes of one block's keys and values in every layer (without a float8 cache's scales)."""
+        return 2 * self.keys[:, 0].numel() * self.keys.element_size()
+
+
+def values_token_major(dtype: torch.dtype) -> bool:
+    """Whether the cache stores each block's values token-major: [block, kv_head, dim, slot] in
+    memory, so that the tokens of one value dimension are contiguous. A float8 cache does: the decode
+    attention's P @ V product sums over tokens, and its fp16/bf16 matrix units take each thread's
+    operand as consecutive elements of the summed axis, which a token-major block hands over in
+    whole words (a row-major one byte by byte: 1.3x slower attention on an H200, docs/fp8.md)."""
+    return is_fp8(dtype)
+
+
+def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) -> KVCache:
+    """Keys and values of all layers; each attention layer gets views of its own. Both are indexed
+    [layer, block, slot, kv_head, dim]; with a float8 ``dtype`` the values are stored token-major
+    (``values_token_major``: strides (blocks * B, B, 1, head_dim * block_size, block_size) with
+    B the elements of a block). Zeroed, so that slots never written hold finite values (kernels
+    read past contexts, masked or multiplied by zero)."""
     spec = model.local_spec
-    kv = torch.zeros(2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
-                     dtype=dtype, device=device)
+    shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    keys = torch.zeros(shape, dtype=dtype, device=device)
+    if values_token_major(dtype):
+        values = torch.zeros(spec.num_layers, num_blocks, spec.num_kv_heads, spec.head_dim, block_size,
+                             dtype=dtype, device=device).permute(0, 1, 4, 2, 3)
+    else:
+        values = torch.zeros(shape, dtype=dtype, device=device)
     for i, layer in enumerate(model.attention_layers()):
-        layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
-    return kv
+        layer.k_cache, layer.v_cache = keys[i], values[i]
+    return KVCache(keys, values)
 
 
 def allocate_kv_scales(model, num_blocks: int, block_size: int, device) -> torch.Tensor:
