@@ -190,6 +190,72 @@ def test_quantize_rows_fp8_matches_twin():
         assert torch.equal(q.float(), q_twin.float())  # as values: the kernel may write +0 for -0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_quantizers_match_the_unfused(dtype):
+    """A norm before a W8A8 projection hands it the rows ``quantize_rows_fp8`` makes of the norm's
+    output, number for number (with and without the residual add); the SwiGLU those of its product,
+    but for its exponential's last bits; a projection of such rows equals ``w8a8_linear``."""
+    require_triton()
+    _needs_kernel_device()
+    from zipage.kernels import norm_rope
+    from zipage.kernels.fp8_linear import (quantize_rows_fp8, silu_mul_quantize, silu_mul_quantize_torch,
+                                           w8a8_linear)
+    dev = KERNEL_DEVICE
+    x = (_random(7, 96, seed=21) * torch.logspace(-3, 2, 7)[:, None]).to(dtype).to(dev)
+    residual = _random(7, 96, seed=22, dtype=dtype).to(dev)
+    weight = (1 + 0.1 * _random(96, seed=23)).to(dtype).to(dev)
+    for res in (residual, None):
+        fused = norm_rope.add_rms_norm_quantize_triton(x, res, weight, 1e-6)
+        plain = norm_rope._add_rms_norm(x, res, weight, 1e-6)
+        (q, s), (q_ref, s_ref) = (fused, quantize_rows_fp8(plain)) if res is None else \
+            (fused[0], quantize_rows_fp8(plain[0]))
+        assert torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())
+        if res is not None:
+            assert torch.equal(fused[1], plain[1])  # x + residual
+    gate_up = (_random(7, 2 * 80, seed=24) * 3).to(dtype).to(dev)
+    q, s = silu_mul_quantize(gate_up)
+    q_twin, s_twin = silu_mul_quantize_torch(gate_up)
+    torch.testing.assert_close(s, s_twin, rtol=2e-3 if dtype == torch.float16 else 1e-5, atol=0)
+    assert (q.float() == q_twin.float()).float().mean() > 0.97  # the product's rounding may tie-break apart
+    assert_close(q.float() * s[:, None], q_twin.float() * s_twin[:, None], 2e-2)
+    w, w_scale = quant.quantize_rows(_random(48, 80, seed=25).to(dev))
+    product = gate_up.float().chunk(2, dim=-1)
+    act = (product[0] / (1 + torch.exp(-product[0])) * product[1]).to(dtype)
+    y = quant.fp8_linear(quant.QuantizedRows(q_twin, s_twin, dtype), w, w_scale)
+    assert y.dtype == dtype and torch.equal(y, w8a8_linear(act, w, w_scale))
+
+
+def test_model_with_fused_quantizers(qwen3, monkeypatch):
+    """Every W8A8 projection of a decoder layer but o_proj gets its rows quantized by the norm or the
+    SwiGLU before it; the logits stay those of the unfused model (the SwiGLU's exponential aside)."""
+    require_triton()
+    if KERNEL_DEVICE.type == "cuda":
+        pytest.skip("the model runs on the CPU here (the interpreter); on a GPU the engine tests take the path")
+    from zipage.kernels import fp8_linear, norm_rope
+    model_dir, _, _ = qwen3
+    monkeypatch.setattr(quant, "FORCE_PATH", "w8a8")
+    model = _model(model_dir, quantization="fp8")
+    monkeypatch.setattr(quant, "FUSE_QUANTIZERS", False)
+    unfused = _logits(model)
+    monkeypatch.setattr(quant, "FUSE_QUANTIZERS", True)
+    calls = {"norm": 0, "swiglu": 0, "rows": 0}
+
+    def spy(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    from zipage.models import decoder
+    monkeypatch.setattr(norm_rope, "add_rms_norm_quantize_triton", spy("norm", norm_rope.add_rms_norm_quantize_triton))
+    monkeypatch.setattr(decoder, "silu_mul_quantize", spy("swiglu", decoder.silu_mul_quantize))
+    monkeypatch.setattr(fp8_linear, "quantize_rows_fp8", spy("rows", fp8_linear.quantize_rows_fp8))
+    fused = _logits(model)
+    layers = len(model.model.layers)
+    assert calls == {"norm": 2 * layers, "swiglu": layers, "rows": layers}  # o_proj quantizes its own input
+    assert relative_error(fused, unfused.double()) < 1e-2
+
+
 def test_split_k_is_deterministic_and_resets_its_counters():
     """The last split of a tile sums the partials in split order: the same bits on every run;
     the tile counters are back at zero after each launch (the next one relies on it)."""

@@ -15,7 +15,9 @@ Two variants share one kernel body:
   where W8A16 has ~0.25% (against bf16 on the same weights). On an H200 it beats W8A16 from
   ~64 tokens on (no conversion, matrix units twice as fast) and ``torch._scaled_mm`` with
   torch's activation quantization at every size measured (``scripts/fp8_gemm_sweep.py``).
-  ``w8a8_linear_torch`` is its twin.
+  ``w8a8_linear_torch`` is its twin. A producer may quantize the rows in its own kernel
+  (``silu_mul_quantize`` here, the norm's ``norm_rope.add_rms_norm_quantize_triton``): then
+  ``w8a8_linear_quantized`` takes them as they are.
 
 A decode-sized GEMM must stream the weight at the memory's speed, so:
 
@@ -364,6 +366,39 @@ if triton is not None:
         return (v + magic) - magic
 
     @triton.jit
+    def quantize_row_block(y, scale):
+        """float32 ``y`` / ``scale`` clamped to e4m3's range and rounded to it (still float32): the
+        numbers of ``_quantize_rows_kernel``, for kernels that quantize the rows they produce."""
+        return _round_to_e4m3(tl.minimum(tl.maximum(tl.fdiv(y, scale, ieee_rounding=True), -_FP8_MAX), _FP8_MAX))
+
+    @triton.jit
+    def _silu_mul(x_ptr, row, stride_xm, half, cols, mask, OUT_DTYPE: tl.constexpr):
+        """``silu(gate) * up`` of one row's columns ``cols`` (float32 math, rounded once to
+        OUT_DTYPE, then float32)."""
+        gate = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_xm + half + cols, mask=mask, other=0.0).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        return y.to(OUT_DTYPE).to(tl.float32)
+
+    @triton.jit
+    def _silu_mul_quantize_kernel(x_ptr, q_ptr, s_ptr, half, stride_xm, stride_qm, OUT_DTYPE: tl.constexpr,
+                                  BLOCK: tl.constexpr):
+        """One row per program: ``y = silu(gate) * up`` of ``x = [gate | up]``, then its amax and
+        ``q = y / (amax / 448)`` in e4m3, as ``quantize_rows_fp8`` quantizes a stored ``y``."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, half, BLOCK):
+            y = _silu_mul(x_ptr, row, stride_xm, half, k0 + cols, k0 + cols < half, OUT_DTYPE)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = tl.maximum(tl.max(amax, axis=0), _AMAX_FLOOR) / _FP8_MAX
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, half, BLOCK):
+            y = _silu_mul(x_ptr, row, stride_xm, half, k0 + cols, k0 + cols < half, OUT_DTYPE)
+            q = quantize_row_block(y, scale)
+            tl.store(q_ptr + row * stride_qm + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < half)
+
+    @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr):
         """One row per program: amax, then ``q = clamp(x / (amax / 448))`` in e4m3 (to nearest)."""
         row = tl.program_id(0).to(tl.int64)
@@ -376,7 +411,7 @@ if triton is not None:
         tl.store(s_ptr + row, scale)
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-            q = _round_to_e4m3(tl.minimum(tl.maximum(tl.fdiv(x, scale, ieee_rounding=True), -_FP8_MAX), _FP8_MAX))
+            q = quantize_row_block(x, scale)
             tl.store(q_ptr + row * stride_qm + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < K)
 
 
@@ -454,17 +489,55 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def silu_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows_fp8(silu(gate) * up)`` of ``x = [gate | up]`` ([M, 2I]) in one kernel, the
+    product rounded once to ``x``'s dtype first (as a stored activation would be): (e4m3 [M, I],
+    float32 scales [M]). The W8A8 path of a down projection reads these instead of the product."""
+    m, width = x.shape
+    half = width // 2
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty(m, half, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _silu_mul_quantize_kernel[(m,)](x, q, s, half, x.stride(0), q.stride(0), OUT_DTYPE=_tl_dtype(x.dtype),
+                                        BLOCK=min(4096, triton.next_power_of_2(half)), num_warps=8)
+    return q, s
+
+
+def silu_mul_quantize_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu_mul_quantize``'s twin."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return quantize_rows_fp8_torch((gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype))
+
+
+def _tl_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                 config: W8A16Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """W8A8: ``x`` quantized per token to e4m3 (``quantize_rows_fp8``), then the fp8 x fp8
     matmul with both scales on the float32 accumulator; output in ``x``'s dtype."""
     _check(x, weight, scale, "w8a8_linear")
-    m, k = x.shape
     xq, x_scale = quantize_rows_fp8(x)
+    return w8a8_linear_quantized(xq, x_scale, weight, scale, bias, x.dtype, config, out)
+
+
+def w8a8_linear_quantized(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None, out_dtype: torch.dtype, config: W8A16Config | None = None,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """``w8a8_linear`` on activations its producer quantized already (``xq`` e4m3 [M, K], rows
+    contiguous, ``x_scale`` float32 [M]: a fused norm or SwiGLU), output in ``out_dtype``."""
+    _check(xq, weight, scale, "w8a8_linear")
+    m, k = xq.shape
+    if xq.stride(1) != 1 or x_scale.shape != (m,):
+        raise ValueError(f"w8a8_linear: quantized rows {tuple(xq.shape)} (strides {xq.stride()}) with scales "
+                         f"{tuple(x_scale.shape)} do not fit")
     if config is None:
-        config = choose_config(m, weight.shape[0], k, _num_sms(x.device.index if x.device.type == "cuda" else None),
+        config = choose_config(m, weight.shape[0], k, _num_sms(xq.device.index if xq.device.type == "cuda" else None),
                                "w8a8")
-    return _launch(xq, x_scale, weight, scale, bias, config, x.dtype, out)
+    return _launch(xq, x_scale, weight, scale, bias, config, out_dtype, out)
 
 
 def w8a16_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -24,6 +24,7 @@ AVAILABLE = triton is not None
 
 
 if triton is not None:
+    from zipage.kernels.fp8_linear import _AMAX_FLOOR, _FP8_MAX, quantize_row_block
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -36,10 +37,14 @@ if triton is not None:
         residual_stride,
         hidden,
         eps,
+        scale_ptr,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
+        QUANTIZE: tl.constexpr,
     ):
-        """One program per row: ``out = weight * norm(x + residual)``, ``residual_out = x + residual``."""
+        """One program per row: ``out = weight * norm(x + residual)``, ``residual_out = x + residual``.
+        QUANTIZE: ``out`` (float8 e4m3) and ``scale`` hold the normalised row quantized as
+        ``fp8_linear.quantize_rows_fp8`` would quantize it (for a W8A8 projection after the norm)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
@@ -53,7 +58,14 @@ if triton is not None:
         normed = (xf * rstd).to(x.dtype)
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
         out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-        tl.store(out_ptr + row * hidden + cols, out, mask=mask)
+        if QUANTIZE:
+            y = out.to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(y), axis=0), _AMAX_FLOOR) / _FP8_MAX
+            tl.store(scale_ptr + row, scale)
+            q = quantize_row_block(y, scale)
+            tl.store(out_ptr + row * hidden + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptr + row * hidden + cols, out, mask=mask)
 
     @triton.jit
     def _rotate_heads(x_ptr, x_stride_token, x_stride_head, out_ptr, token, num_heads, half, weight_ptr, cos, sin,
@@ -124,7 +136,14 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     return _add_rms_norm(x, residual, weight, eps)
 
 
-def _add_rms_norm(x, residual, weight, eps):
+def add_rms_norm_quantize_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """``weight * norm(x + residual)`` quantized per row to float8 e4m3 for a W8A8 projection:
+    ((e4m3 rows [M, hidden], float32 scales [M]), x + residual); without ``residual`` the first
+    element alone. The same numbers as the norm followed by ``fp8_linear.quantize_rows_fp8``."""
+    return _add_rms_norm(x, residual, weight, eps, quantize=True)
+
+
+def _add_rms_norm(x, residual, weight, eps, quantize=False):
     shape = x.shape
     x = x.reshape(-1, shape[-1])  # a view for the model's [tokens, hidden] rows, strided or not
     if x.stride(1) != 1:
@@ -133,21 +152,23 @@ def _add_rms_norm(x, residual, weight, eps):
         residual = residual.reshape(-1, shape[-1]).contiguous()
     assert weight.shape == x.shape[1:]
     rows, hidden = x.shape
-    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
-    residual_out = out
+    out = torch.empty((rows, hidden), dtype=torch.float8_e4m3fn if quantize else x.dtype, device=x.device)
+    scales = torch.empty(rows if quantize else 0, dtype=torch.float32, device=x.device)
+    residual_out = x
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype
-        residual_out = torch.empty_like(out)
+        residual_out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     if rows:
         _add_rms_norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, residual_out,
-            x.stride(0), residual.stride(0) if residual is not None else 0, hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+            x.stride(0), residual.stride(0) if residual is not None else 0, hidden, eps, scales,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden), QUANTIZE=quantize,
             num_warps=4 if hidden <= 2048 else 8,
         )
+    normed = (out, scales) if quantize else out.view(shape)
     if residual is None:
-        return out.view(shape)
-    return out.view(shape), residual_out.view(shape)
+        return normed
+    return normed, residual_out.view(shape)
 
 
 def rope_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from zipage.kernels import norm_rope
+from zipage.layers import quant
 from zipage.layers.fusion import fused
 
 
@@ -33,9 +34,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.quantize_for = None
+
+    def feeds(self, projection: nn.Module) -> None:
+        """Name the projection that alone reads this norm's output: when it holds float8 weights
+        and runs W8A8, the norm hands it its rows quantized (one kernel instead of two). A plain
+        reference, not a submodule: the projection belongs to its own parent."""
+        object.__setattr__(self, "quantize_for", projection)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """``norm(x)``; with ``residual``, returns ``(norm(x + residual), x + residual)``."""
+        """``norm(x)``; with ``residual``, returns ``(norm(x + residual), x + residual)``. The
+        norm comes as ``quant.QuantizedRows`` when the projection it ``feeds`` quantizes its input."""
+        consumer = self.quantize_for
+        if consumer is not None and consumer.is_fp8 and norm_rope.AVAILABLE and quant.producer_quantizes(x):
+            out = norm_rope.add_rms_norm_quantize_triton(x, residual, self.weight, self.eps)
+            normed = quant.QuantizedRows(*(out if residual is None else out[0]), x.dtype)
+            return normed if residual is None else (normed, out[1])
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -15,7 +15,8 @@ step is traced, so CUDA graphs capture it (no host syncs):
   kernel (``zipage/kernels/fp8_linear.py``): fp8 weights converted in registers, the
   activations as they are. Decode is bound by reading the weights: half the bytes of bf16.
 - the same GPUs, more rows: the Triton W8A8 kernel, the activations quantized per token
-  (dynamic scale amax / 448) by a Triton kernel, the product on the FP8 matrix units with
+  (dynamic scale amax / 448) by a Triton kernel, or already by the norm or SwiGLU that made them
+  (``QuantizedRows``), the product on the FP8 matrix units with
   both scales on the float32 accumulator. Measured on an H200 (docs/fp8.md), W8A16 stops
   paying past 16 rows (its bf16 matmul and conversion no longer hide under the loads), and
   W8A8 beats both bf16 and ``torch._scaled_mm`` from 64 rows on; its error against bf16 is
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,9 @@ FP8_MAX = 448.0
 W8A16_MAX_TOKENS = 16
 _ROWS_PER_CHUNK = 4096  # rows quantized at once (bounds the float32 temporaries)
 FORCE_PATH: str | None = None  # tests: run every fp8 matmul through this path ("dequant": exact float32)
+# The norms and the SwiGLU before W8A8 projections quantize their outputs in their own kernels
+# (False: the projections quantize them, one kernel more each; tests and benchmarks).
+FUSE_QUANTIZERS = True
 
 _enabled = False
 
@@ -191,10 +196,40 @@ def _path(x: torch.Tensor, weight: torch.Tensor) -> str:
     return "w8a16" if x.shape[0] <= W8A16_MAX_TOKENS else "w8a8"
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-               path: str | None = None) -> torch.Tensor:
+class QuantizedRows(NamedTuple):
+    """Activations a producer (a norm, the SwiGLU) quantized for a W8A8 projection, so that the
+    projection skips its own quantizer: ``data`` float8 e4m3 [rows, K], ``scale`` float32 [rows]
+    (``data * scale[:, None]`` is the activation), ``dtype`` the activations' (and output's) dtype."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantizes_input(x: torch.Tensor) -> bool:
+    """Whether an fp8 projection of ``x`` (rows [..., K]) runs W8A8, i.e. quantizes ``x`` per row
+    first: its producer may then hand over ``QuantizedRows`` instead, fused into its own kernel."""
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    if FORCE_PATH is not None:
+        return FORCE_PATH == "w8a8"
+    return (x.device.type == "cuda" and fp8_matmul_supported(x.device.index or 0)
+            and rows > W8A16_MAX_TOKENS)
+
+
+def producer_quantizes(x: torch.Tensor) -> bool:
+    """Whether the producer of ``x``, the input of an fp8 projection, hands it over quantized
+    (``QuantizedRows``): the projection runs W8A8 and ``FUSE_QUANTIZERS`` is on."""
+    return FUSE_QUANTIZERS and quantizes_input(x)
+
+
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
     """``x @ (weight * scale[:, None])^T + bias`` for a float8 ``weight`` [N, K] and float32
-    ``scale`` [N]; ``path`` ("w8a16", "w8a8", "scaled_mm", "dequant"): force one (benchmarks, tests)."""
+    ``scale`` [N]; ``path`` ("w8a16", "w8a8", "scaled_mm", "dequant"): force one (benchmarks, tests).
+    ``x`` may come quantized already (``QuantizedRows``, when ``quantizes_input``): W8A8 on it."""
+    if isinstance(x, QuantizedRows):
+        from zipage.kernels.fp8_linear import w8a8_linear_quantized
+        return w8a8_linear_quantized(x.data, x.scale, weight, scale, bias, x.dtype)
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     path = path or FORCE_PATH or _path(x, weight)

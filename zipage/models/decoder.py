@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from zipage.kernels.fp8_linear import silu_mul_quantize
+from zipage.layers import quant
 from zipage.layers.activation import SiluAndMul
 from zipage.layers.attention import Attention
 from zipage.layers.embedding import LMHead, VocabEmbedding
@@ -88,7 +90,10 @@ class DecoderMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if self.down_proj.is_fp8 and quant.producer_quantizes(h):  # W8A8: the SwiGLU quantizes its product
+            return self.down_proj(quant.QuantizedRows(*silu_mul_quantize(h.reshape(-1, h.shape[-1])), h.dtype))
+        return self.down_proj(self.act(h))
 
 
 class DecoderLayer(nn.Module):
@@ -102,6 +107,10 @@ class DecoderLayer(nn.Module):
                                  spec.num_experts_per_tok, spec.norm_topk_prob)
         else:
             self.mlp = DecoderMLP(spec)
+        # Each norm's output feeds one projection (a float8 one that runs W8A8 takes it quantized).
+        self.input_layernorm.feeds(self.self_attn.qkv_proj)
+        if isinstance(self.mlp, DecoderMLP):
+            self.post_attention_layernorm.feeds(self.mlp.gate_up_proj)
 
     # The layer in two halves around its attention, which alone reads the step's metadata and the
     # cache: CUDA graphs of prefill steps capture the halves (runner/piecewise_graph.py).
