@@ -1,0 +1,45 @@
+# FP8 on a GPU in one job: the fp8 CUDA tests, decode attention bf16 against fp8, whole decode
+# steps with fp8 weights and KV (the quantizers fused into the norms and the SwiGLU, and not),
+# then reasoning-8k with fp8 weights and KV, Zipage and full KV. PART picks one (default all).
+#
+#   bash scripts/gpu_fp8.sh [tests|attention|decode|zipage8k|full8k|all]
+#
+# Each part prints its table; RESULTS (default out/fp8) gets the JSON files.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
+part=${1:-all}
+RESULTS=${RESULTS:-out/fp8}
+case "$part" in tests|attention|decode|zipage8k|full8k|all) ;;
+  *) echo "PART must be tests, attention, decode, zipage8k, full8k or all, got '$part'" >&2; exit 2 ;; esac
+source scripts/gpu_common.sh
+require_cuda "measures fp8"
+mkdir -p "$RESULTS"
+FP8="--quantization fp8 --kv-cache-dtype fp8"
+
+if [ "$part" = tests ] || [ "$part" = all ]; then
+  stamp "fp8 CUDA tests"
+  ZIPAGE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q tests/test_fp8_kv.py tests/test_fp8_weights.py \
+    -k "cuda or fused" 2>&1 | tail -3
+fi
+if [ "$part" = attention ] || [ "$part" = all ]; then
+  stamp "decode attention, the engine's kernels: bf16 against fp8"
+  python3 scripts/decode_tile_sweep.py --default-only --batch 1,16,64,128,256 --context 1024,2048,4096 \
+    --out "$RESULTS/attention.json"
+fi
+if [ "$part" = decode ] || [ "$part" = all ]; then
+  for fused in True False; do
+    stamp "whole decode steps, fp8 weights and KV, quantizers fused into the norms and the SwiGLU: $fused"
+    python3 -c "import sys; from zipage.layers import quant; quant.FUSE_QUANTIZERS = $fused
+from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-8b --batch 1,64,256 \
+      --modes graphs --steps 32 $FP8 --out "$RESULTS/decode-fused-$fused.json"
+  done
+fi
+for mode in zipage full; do
+  if [ "$part" = "${mode}8k" ] || [ "$part" = all ]; then
+    stamp "reasoning-8k, $mode, fp8 weights and KV"
+    python3 -m zipage.cli bench throughput --shape qwen3-8b --scale 1 --workload reasoning-8k --modes "$mode" \
+      --hf-requests 0 $FP8 --out "$RESULTS/$mode-8k" 2>&1 | grep -v "it/s\]\|tok/s\]" | tail -12
+  fi
+done
+stamp "done"
