@@ -145,6 +145,23 @@ def test_serving_benchmark_with_a_simulated_step_needs_no_max_model_len(tmp_path
     assert "max_model_len=40960 does not fit the KV cache" in capsys.readouterr().err
 
 
+def test_throughput_roofline_counts_the_caches_own_bytes(tmp_path):
+    """With an fp8 cache a cached token costs its float8 bytes and their scales in the roofline, not
+    the model dtype's bytes."""
+    from zipage.bench.common import model_dir_for
+    from zipage.bench.throughput import rank_spec
+    from zipage.kernels.common import FP8_DTYPE
+    from zipage.runner.kv_cache import bytes_per_block
+    if FP8_DTYPE is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    out = tmp_path / "throughput"
+    assert cli_main(["bench", "throughput", "--shape", "tiny", "--scale", "small", "--device", "cpu",
+                     "--hf-requests", "0", "--modes", "full", "--kv-cache-dtype", "fp8", "--out", str(out)]) == 0
+    spec = rank_spec(model_dir_for(None, "tiny", "qwen3")[0], 1)
+    kv = json.loads((out / "throughput.json").read_text())["modes"]["full"]["roofline_bytes"]["kv_per_token"]
+    assert kv == bytes_per_block(spec, 1, FP8_DTYPE) == 2 * spec.num_layers * spec.num_kv_heads * (spec.head_dim + 4)
+
+
 def test_throughput_workloads_are_seeded_and_long_tailed():
     from zipage.bench.workloads import make_workload
 

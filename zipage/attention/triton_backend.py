@@ -41,7 +41,7 @@ import logging
 import torch
 
 from zipage.attention.backend import AttentionBackend
-from zipage.kernels.common import multiprocessor_count
+from zipage.kernels.common import multiprocessor_count, token_major
 from zipage.kernels.merge_parts import merge_parts, merge_parts_torch
 from zipage.kernels.paged_decode import paged_decode_attention
 from zipage.kernels.paged_prefill import paged_prefill_attention
@@ -319,11 +319,11 @@ def _gather(k_cache, v_cache, slots, dtype, k_scale=None, v_scale=None):
     cache times its scales, each product rounded once to ``dtype``)."""
     kv_heads, head_dim = k_cache.shape[2:]
     keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
-    if v_cache.stride(3) == 1:
-        values = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
-    else:  # token-major values (a float8 cache): gathered element by element
+    if token_major(v_cache):  # a float8 cache's values: gathered element by element
         block_size = v_cache.shape[1]
         values = v_cache[slots // block_size, slots % block_size]
+    else:
+        values = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
     if k_scale is not None:  # float8 -> dtype is exact; the in-place products run in float32
         keys = keys.to(dtype).mul_(k_scale.view(-1, kv_heads).index_select(0, slots)[..., None])
         values = values.to(dtype).mul_(v_scale.view(-1, kv_heads).index_select(0, slots)[..., None])

@@ -26,6 +26,7 @@ import torch
 
 from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S, model_dir_for, print_table, write_json
 from zipage.bench.profile import StepProfiler, breakdown
+from zipage.runner.kv_cache import bytes_per_block
 
 # ``--penalties``: every request penalised (token counts read and updated on the device each step)
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
@@ -191,9 +192,7 @@ def _run_batch(llm, args: argparse.Namespace, prompts: list[list[int]], make_par
     mean = sum(decode_times[2:]) / len(decode_times[2:])
     host = sorted(host_times[2:])[len(host_times[2:]) // 2]
     spec = runner.spec
-    kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * runner.kv_cache.keys.element_size()
-    if runner.kv_cache.keys.element_size() == 1:  # float8: and a float32 scale per token and KV head
-        kv_bytes_per_token += 2 * spec.num_layers * spec.num_kv_heads * 4
+    kv_bytes_per_token = bytes_per_block(spec, 1, runner.kv_dtype)  # float8: with its scales
     bytes_per_step = _weight_bytes(runner.model, batch) + batch * (args.context + args.steps / 2) * kv_bytes_per_token
     floor = bytes_per_step / COPY_BANDWIDTH_BYTES_PER_S
     row = dict(step_ms=1000 * step, host_ms=1000 * host, tokens_per_s=batch / step, mean_tokens_per_s=batch / mean,

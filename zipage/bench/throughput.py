@@ -23,6 +23,7 @@ import torch
 
 from zipage.bench.common import copy_bandwidth, device_name, model_dir_for, print_table, run_device, write_json
 from zipage.bench.workloads import WORKLOADS, make_workload, peak_kv_demand, requests_for_demand
+from zipage.runner.kv_cache import bytes_per_block
 
 # The KV cache of the standard run: 48 GB of Qwen3-8B KV (144 KiB per token), an 80 GB-class
 # card holding an 8B model, as in the paper. Scaled runs scale it with the lengths.
@@ -252,7 +253,6 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
     setup_start = time.perf_counter()
     llm = LLM(model_dir, **kwargs)
     engine, runner = llm.engine, llm.engine.runner
-    from zipage.runner.kv_cache import bytes_per_block
     kv_per_token = bytes_per_block(runner.spec, 1, runner.kv_dtype)  # the cache's bytes: float8 with its scales
     weight_bytes = _weight_bytes(runner.model)
     warm_up(engine, runner, opts, requests)
@@ -308,6 +308,7 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
         roofline_fraction=sum(bound) / decode_time if decode_time else None,
         steady_roofline_fraction=(sum(b for b, _ in steady) / sum(s["dt"] for _, s in steady)) if steady else None,
         roofline_tokens_per_s=sum(s["seqs"] for s in decode) / sum(bound) if bound else None,
+        roofline_bytes=dict(weights=weight_bytes, kv_per_token=kv_per_token),
         query_slots=runner.num_query_slots, setup_s=setup_s,
         blocks_returned=bm.num_free_blocks == bm.num_blocks and all(c == 0 for c in bm.ref_counts),
         gpu_timeline=trace.summary() if trace else None)

@@ -41,6 +41,12 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return FP8_DTYPE is not None and dtype == FP8_DTYPE
 
 
+def token_major(v_cache: torch.Tensor) -> bool:
+    """Whether a [blocks, block_size, kv_heads, head_dim] value cache is stored token-major (slots
+    contiguous, as a float8 cache stores its values; a block of one slot reads either way)."""
+    return v_cache.stride(1) == 1 and v_cache.shape[1] > 1
+
+
 def fp8_scales_torch(x: torch.Tensor) -> torch.Tensor:
     """Dynamic scale of every row ``x[..., :]`` (float32, the shape of x without its last dimension)."""
     return x.float().abs().amax(dim=-1).clamp_min(FP8_AMAX_FLOOR) / FP8_MAX

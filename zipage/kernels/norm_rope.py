@@ -153,7 +153,7 @@ def _add_rms_norm(x, residual, weight, eps, quantize=False):
     assert weight.shape == x.shape[1:]
     rows, hidden = x.shape
     out = torch.empty((rows, hidden), dtype=torch.float8_e4m3fn if quantize else x.dtype, device=x.device)
-    scales = torch.empty(rows if quantize else 0, dtype=torch.float32, device=x.device)
+    scales = torch.empty(rows, dtype=torch.float32, device=x.device) if quantize else weight  # (not read)
     residual_out = x
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype

@@ -15,7 +15,7 @@ import math
 import torch
 
 from zipage.kernels.common import (dot_precision, fast_fp8_widening, is_fp8, launch_kernel, load_kv_scales,
-                                   multiprocessor_count, widen_fp8)
+                                   multiprocessor_count, token_major, widen_fp8)
 
 try:
     import triton
@@ -317,12 +317,6 @@ def _halves(head_dim: int, cache_dtype: torch.dtype) -> bool:
     return is_fp8(cache_dtype) and head_dim >= 32
 
 
-def _token_major(v_cache: torch.Tensor) -> bool:
-    """Whether a [blocks, block_size, kv_heads, head_dim] value cache is stored token-major (slots
-    contiguous; a block of one slot reads either way)."""
-    return v_cache.stride(1) == 1 and v_cache.shape[1] > 1
-
-
 def _choose_num_splits(batch, num_kv_heads, max_tiles, min_split_tiles, device):
     """Splits per sequence from static shapes only (CUDA-graph safe).
 
@@ -381,8 +375,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 
     group_size = num_heads // num_kv_heads
     block_n, num_warps, num_stages = tile or decode_tile(head_dim, k_cache.dtype)
-    token_major = _token_major(v_cache)
-    if token_major:  # one page a tile where pages allow (every tl.dot operand is at least 16 wide)
+    values_token_major = token_major(v_cache)
+    if values_token_major:  # one page a tile where pages allow (every tl.dot operand is at least 16 wide)
         block_n = max(16, min(block_n, block_size))
     else:
         assert v_cache.stride(3) == 1, "the values are stored row-major (head_dim contiguous) or token-major"
@@ -418,8 +412,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
                       HEAD_DIM=head_dim, PAGE_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single_split,
                       DOT_PRECISION=dot_precision(q.dtype), FP8=fp8,
                       FAST_FP8=fp8 and fast_fp8_widening(q.dtype, q.device),
-                      HALVES=_halves(head_dim, k_cache.dtype), V_TOKEN_MAJOR=token_major,
-                      PAGE_PER_TILE=token_major and block_size % block_n == 0)
+                      HALVES=_halves(head_dim, k_cache.dtype), V_TOKEN_MAJOR=values_token_major,
+                      PAGE_PER_TILE=values_token_major and block_size % block_n == 0)
     launch_kernel(_decode_split_kernel, (batch, num_kv_heads, num_splits), args, constexprs, launches,
                   num_warps=num_warps, num_stages=num_stages)
     if not single_split:

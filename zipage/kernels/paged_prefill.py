@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from zipage.kernels.common import dot_precision, fast_fp8_widening, is_fp8, load_kv_scales, widen_fp8
+from zipage.kernels.common import (dot_precision, fast_fp8_widening, is_fp8, load_kv_scales, token_major,
+                                   widen_fp8)
 import torch.nn.functional as F
 
 try:
@@ -249,8 +250,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     q: [total_q, num_heads, head_dim]; cu_seqlens_q: int32 [batch + 1];
     context_lens: int32 [batch] (>= each sequence's q_len, keys already
     stored); v_cache may have any strides (a float8 cache stores its values
-    token-major), k_cache a contiguous last dimension; max_seqlen_q: host int >= every q_len. Returns [total_q,
-    num_heads, head_dim] in q.dtype. A float8 e4m3 cache comes with its float32
+    token-major), k_cache a contiguous last dimension; max_seqlen_q: host int >=
+    every q_len. Returns [total_q, num_heads, head_dim] in q.dtype. A float8 e4m3 cache comes with its float32
     scales k_scale / v_scale [num_blocks, block_size, kv_heads].
     """
     _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale, v_scale)
@@ -300,7 +301,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         DOT_PRECISION=dot_precision(q.dtype),
         FP8=fp8,
         FAST_FP8=fp8 and fast_fp8_widening(q.dtype, q.device),
-        V_TILE_PAGE=v_cache.stride(1) == 1 and block_size > 1 and block_size % block_n == 0,
+        V_TILE_PAGE=token_major(v_cache) and block_size % block_n == 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -190,10 +190,11 @@ def log_fp8_paths(device: torch.device, dtype: torch.dtype) -> None:
     (logger.warning if "no FP8 matmul" in text else logger.info)(text)
 
 
-def _path(x: torch.Tensor, weight: torch.Tensor) -> str:
+def _path(x: torch.Tensor, weight: torch.Tensor | None = None) -> str:
+    """The matmul an fp8 projection of ``x`` (rows [..., K]) runs by default."""
     if x.device.type != "cuda" or not fp8_matmul_supported(x.device.index or 0):
         return "dequant"
-    return "w8a16" if x.shape[0] <= W8A16_MAX_TOKENS else "w8a8"
+    return "w8a16" if x.numel() // x.shape[-1] <= W8A16_MAX_TOKENS else "w8a8"
 
 
 class QuantizedRows(NamedTuple):
@@ -209,11 +210,7 @@ class QuantizedRows(NamedTuple):
 def quantizes_input(x: torch.Tensor) -> bool:
     """Whether an fp8 projection of ``x`` (rows [..., K]) runs W8A8, i.e. quantizes ``x`` per row
     first: its producer may then hand over ``QuantizedRows`` instead, fused into its own kernel."""
-    rows = x.numel() // x.shape[-1] if x.dim() else 0
-    if FORCE_PATH is not None:
-        return FORCE_PATH == "w8a8"
-    return (x.device.type == "cuda" and fp8_matmul_supported(x.device.index or 0)
-            and rows > W8A16_MAX_TOKENS)
+    return (FORCE_PATH or _path(x)) == "w8a8"
 
 
 def producer_quantizes(x: torch.Tensor) -> bool:
