@@ -380,14 +380,22 @@ def test_synthetic_tokenizer_has_the_size_asked_and_round_trips_text():
     assert tok.decode(tok.encode(text)) == text
 
 
-def test_compression_benchmark_beside_decode_runs_and_returns_every_block(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_compression_benchmark_beside_decode_runs_and_returns_every_block(tmp_path, kv_cache_dtype):
     """Stages of one compression, then its cost beside other requests' decode steps (CPU: a smoke
-    test; the bench itself raises if a block was not returned)."""
+    test; the bench itself raises if a block was not returned). With a float8 cache its kernel
+    check compares the kernels with their twins on float8 keys and moves the scales too."""
     out = tmp_path / "compression.json"
+    check = "0" if kv_cache_dtype == "auto" else "1"
     code = cli_main(["bench", "compression", "--shape", "tiny", "--device", "cpu", "--requests", "1,2",
-                     "--budget", "64", "--block-size", "16", "--check", "0", "--beside", "3", "--out", str(out)])
+                     "--budget", "64", "--block-size", "16", "--check", check, "--beside", "3",
+                     "--kv-cache-dtype", kv_cache_dtype, "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
+    assert result["kv_cache_dtype"] == kv_cache_dtype
+    if kv_cache_dtype == "fp8":
+        errors = result["kernel_errors"]
+        assert errors["attention"] < 1e-5 and errors["redundancy"] < 1e-5 and errors["compaction"] == 0
     assert [row["requests"] for row in result["rows"]] == [1, 2]
     assert [row["requests"] for row in result["beside_decode"]] == [1, 2]
     for row in result["beside_decode"]:

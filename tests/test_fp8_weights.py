@@ -225,12 +225,12 @@ def test_fused_quantizers_match_the_unfused(dtype):
     assert y.dtype == dtype and torch.equal(y, w8a8_linear(act, w, w_scale))
 
 
+@pytest.mark.skipif(KERNEL_DEVICE.type == "cuda", reason="the model runs on the CPU here (the interpreter); "
+                    "on a GPU the engine tests take the path")
 def test_model_with_fused_quantizers(qwen3, monkeypatch):
     """Every W8A8 projection of a decoder layer but o_proj gets its rows quantized by the norm or the
     SwiGLU before it; the logits stay those of the unfused model (the SwiGLU's exponential aside)."""
     require_triton()
-    if KERNEL_DEVICE.type == "cuda":
-        pytest.skip("the model runs on the CPU here (the interpreter); on a GPU the engine tests take the path")
     from zipage.kernels import fp8_linear, norm_rope
     model_dir, _, _ = qwen3
     monkeypatch.setattr(quant, "FORCE_PATH", "w8a8")

@@ -25,6 +25,10 @@ def add_compression_parser(sub) -> None:
     p.add_argument("--budget", type=int, default=2048, help="kv_budget_tokens")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--redundancy", default="lightning", choices=["lightning", "raw", "off"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: float8 e4m3 keys and values with a scale per token and KV head")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8 weights, quantized at load (the decode steps of --beside)")
     p.add_argument("--device", default=None)
     p.add_argument("--check", type=int, default=4, help="requests whose kernel outputs are checked (0: none)")
     p.add_argument("--beside", type=int, default=0,
@@ -57,7 +61,12 @@ def _fill_requests(llm, count: int, rng: random.Random):
         seqs.append(seq)
     for block in (b for s in seqs for b in s.block_table):  # in place: no copy of the whole set
         for plane in runner.kv_cache:
-            plane[:, block].normal_()
+            if runner.kv_scales is None:
+                plane[:, block].normal_()
+            else:  # float8 codes of normal values (unit scale's range), and scales around a key's size
+                plane[:, block].copy_(torch.randn(plane[:, block].shape, device=plane.device).mul_(64))
+        if runner.kv_scales is not None:
+            runner.kv_scales[:, :, block].uniform_(0.5 / 64, 1.5 / 64)
     runner.query_cache.normal_()
     return seqs
 
@@ -80,6 +89,8 @@ def _check_kernels(llm, seqs) -> dict:
     n_max = tables.shape[1] * bs
     layers = slice(0, min(cfg.layer_group, runner.spec.num_layers))
     keys = runner.kv_cache.keys[layers]
+    scales = None if runner.kv_scales is None else runner.kv_scales[:, layers]
+    key_scale = {} if scales is None else {"k_scale": scales[0]}
     rows = torch.stack([s.query_slot * cfg.window + torch.arange(cfg.window) for s in seqs]).to(runner.device)
     queries = runner.query_cache[layers][:, rows].transpose(0, 1).contiguous()
     scale = runner.spec.head_dim ** -0.5
@@ -87,17 +98,18 @@ def _check_kernels(llm, seqs) -> dict:
     def rel(a, b):
         return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
-    errors = {"attention": rel(cs.paged_attention_scores(queries, keys, tables, lengths, scale, n_max),
-                               cs.paged_attention_scores_torch(queries, keys, tables, lengths, scale, n_max))}
+    errors = {"attention": rel(cs.paged_attention_scores(queries, keys, tables, lengths, scale, n_max, **key_scale),
+                               cs.paged_attention_scores_torch(queries, keys, tables, lengths, scale, n_max,
+                                                               **key_scale))}
     if bs <= cs.REDUNDANCY_MAX_BLOCK:
-        errors["redundancy"] = rel(cs.paged_redundancy_sums(keys, tables, lengths, cfg.similarity_threshold, n_max),
-                                   cs.paged_redundancy_sums_torch(keys, tables, lengths, cfg.similarity_threshold,
-                                                                  n_max))
+        errors["redundancy"] = rel(
+            cs.paged_redundancy_sums(keys, tables, lengths, cfg.similarity_threshold, n_max, **key_scale),
+            cs.paged_redundancy_sums_torch(keys, tables, lengths, cfg.similarity_threshold, n_max, **key_scale))
     if runner.device.type == "cuda" and bs <= cs.REDUNDANCY_MAX_BLOCK:  # selection (history off: no cache read)
         from zipage.kernels import choose_kept as ch
 
-        attention = cs.paged_attention_scores(queries, keys, tables, lengths, scale, n_max)
-        rsum = cs.paged_redundancy_sums(keys, tables, lengths, cfg.similarity_threshold, n_max)
+        attention = cs.paged_attention_scores(queries, keys, tables, lengths, scale, n_max, **key_scale)
+        rsum = cs.paged_redundancy_sums(keys, tables, lengths, cfg.similarity_threshold, n_max, **key_scale)
         args = (attention, rsum, lengths, torch.zeros_like(lengths), True, torch.zeros_like(lengths), None, tables,
                 cfg, cfg.kv_budget_tokens, bs)
         chosen, twin = ch.choose_kept(*args, write_scores=False)[0], ch.choose_kept_torch(*args, write_scores=False)[0]
@@ -110,8 +122,11 @@ def _check_kernels(llm, seqs) -> dict:
     kv = runner.kv_cache.layers(layers)
     outs = []
     for compact in (ck.compact_kv, ck.compact_kv_torch):
-        compact(kv, None, kept, None, tables, targets)
-        outs.append(torch.stack([plane[:, targets.flatten().long()] for plane in kv]))
+        compact(kv, None, kept, None, tables, targets, scale_group=scales)
+        moved = [plane[:, targets.flatten().long()].float() for plane in kv]
+        if scales is not None:
+            moved += [scales[:, :, targets.flatten().long()].flatten()]
+        outs.append(torch.cat([m.flatten() for m in moved]))
     errors["compaction"] = rel(outs[0], outs[1])
     return errors
 
@@ -191,7 +206,7 @@ def run_compression_bench(args: argparse.Namespace) -> int:
     max_len = args.budget + 2 * args.block_size + 8
     llm = LLM(model_dir, load_format=load_format, device=args.device, block_size=args.block_size,
               max_num_seqs=max(counts) + args.beside, max_model_len=max_len, enable_prefix_caching=False,
-              compression=config)
+              compression=config, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     engine, runner = llm.engine, llm.engine.runner
     compressor = runner.compressor
     rng = random.Random(0)
@@ -237,6 +252,7 @@ def run_compression_bench(args: argparse.Namespace) -> int:
     if bm.num_free_blocks != bm.num_blocks:
         raise RuntimeError(f"{bm.num_blocks - bm.num_free_blocks} KV blocks were not returned")
     write_json(args.out, dict(benchmark="compression", model=args.model or args.shape, budget=args.budget,
-                              block_size=args.block_size, redundancy=args.redundancy, rows=rows,
+                              block_size=args.block_size, redundancy=args.redundancy,
+                              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, rows=rows,
                               kernel_errors=errors, beside_decode=beside))
     return 0
