@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from zipage.bench.chunks import step_kind
 from zipage.cli import main as cli_main
@@ -369,6 +370,45 @@ def test_decode_benchmark_runs_every_sampling_variant_beside_plain(tmp_path, cap
     assert "--variants budgets needs --kv-budget-tokens" in capsys.readouterr().err
     assert cli_main(["bench", "decode", "--shape", "tiny", "--device", "cpu", "--variants", "fast"]) != 0
     assert "unknown ['fast']" in capsys.readouterr().err
+
+
+def test_decode_benchmark_tensor_parallel_counts_one_gpus_share(tmp_path):
+    """``--tensor-parallel-size 2`` (gloo on the CPU) decodes the batch on two ranks; its roofline
+    counts one rank's bytes: half the weights (vocabulary, heads and MLP split) and half the KV heads."""
+    import subprocess
+    import sys
+
+    bytes_per_step = {}
+    for tp in (1, 2):
+        out = tmp_path / f"decode-tp{tp}.json"
+        cmd = [sys.executable, "-m", "zipage.cli", "bench", "decode", "--shape", "tiny", "--batch", "4",
+               "--context", "1024", "--steps", "4", "--modes", "eager", "--device", "cpu", "--block-size", "16",
+               "--tensor-parallel-size", str(tp), "--out", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        record = json.loads(out.read_text())
+        (row,) = record["rows"]
+        assert record["tensor_parallel_size"] == tp and row.get("tp", 1) == tp and row["timed_steps"] >= 2
+        bytes_per_step[tp] = row["bytes_per_step"]
+    # the KV is most of a step's bytes here (the norms, replicated, are a few hundred bytes)
+    assert 0.49 < bytes_per_step[2] / bytes_per_step[1] < 0.51, bytes_per_step
+
+
+def test_qwen3_32b_shape_has_its_published_size(tmp_path):
+    """The benchmark shape of Qwen3-32B builds (on the meta device) with its 32.8B parameters: 64 GB of
+    bf16 weights, which tensor parallelism splits."""
+    from zipage.bench.common import model_dir_for
+    from zipage.models.registry import build_model
+    from zipage.utils.loader import load_config
+
+    model_dir, load_format = model_dir_for(None, "qwen3-32b", "qwen3")
+    assert load_format == "dummy"
+    with torch.device("meta"):
+        model = build_model(load_config(model_dir), 4096)
+    params = sum(p.numel() for p in model.parameters())
+    assert 32.7e9 < params < 32.9e9, params
+    spec = model.spec
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (64, 64, 8, 128)
 
 
 def test_synthetic_tokenizer_has_the_size_asked_and_round_trips_text():

@@ -3,7 +3,8 @@
 For each batch size, ``batch`` requests with ``context``-token random prompts are
 prefilled, then decoded together for ``steps`` steps. The roofline is the time
 the step's unavoidable bytes (weights once, plus every request's KV) take at the
-measured copy bandwidth.
+measured copy bandwidth; with ``--tensor-parallel-size`` N, one GPU's share of them
+(its shards of the weights, its KV heads), which the N GPUs read at the same time.
 
 ``--variants`` runs each batch again with the sampling features a server uses, each
 printed beside the plain run (``vs_plain``: its mean step's tokens/s over plain's):
@@ -35,6 +36,7 @@ PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty
 JSON_SCHEMA = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
                "required": ["reasoning", "answer"]}
 VARIANTS = ("plain", "penalties", "logprobs", "json", "budgets")
+UNPRINTED = ("profile", "bytes_per_step")  # in the JSON only
 
 
 def add_decode_parser(sub) -> None:
@@ -60,6 +62,8 @@ def add_decode_parser(sub) -> None:
     p.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 weights, quantized at load")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="fp8: float8 e4m3 keys and values with a scale per token and KV head")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs per model; the roofline counts one GPU's share of the weights and KV")
     p.add_argument("--out", default=None, help="write JSON results here")
     p.set_defaults(func=run_decode_bench)
 
@@ -100,6 +104,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
                   max_num_seqs=max(batches), max_model_len=args.context + args.steps + args.profile_steps + 8,
                   enforce_eager=(mode == "eager"), enable_prefix_caching=False, compression=compression,
                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  tensor_parallel_size=args.tensor_parallel_size,
                   enable_chunked_prefill=False)  # whole prompts first: then every step decodes the whole batch
         runner = llm.engine.runner
         rng = random.Random(0)
@@ -108,6 +113,8 @@ def run_decode_bench(args: argparse.Namespace) -> int:
             plain = None
             for variant, make_params in variants.items():
                 row = dict(mode=mode, batch=batch, context=args.context)
+                if args.tensor_parallel_size > 1:
+                    row["tp"] = args.tensor_parallel_size
                 if len(variants) > 1:
                     row["sampling"] = variant
                 row.update(_run_batch(llm, args, prompts, make_params))
@@ -115,21 +122,22 @@ def run_decode_bench(args: argparse.Namespace) -> int:
                     plain = plain or row
                     row["vs_plain"] = row["mean_tokens_per_s"] / plain["mean_tokens_per_s"]
                 rows.append(row)
-                print_table(rows[-1:], [c for c in row if c != "profile"])
+                print_table(rows[-1:], [c for c in row if c not in UNPRINTED])
                 if "profile" in row:
                     print(f"  where a step's {row['step_ms']:.2f} ms go ({args.profile_steps} steps recorded; "
                           "times per step):")
                     print_table(row["profile"], ["kind", "kernels_per_step", "ms_per_step", "share"])
+        llm.close()  # stops tensor-parallel followers before the next mode starts its own
         del llm, runner
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print()
-    print_table(rows, [c for c in rows[0] if c != "profile"])
+    print_table(rows, [c for c in rows[0] if c not in UNPRINTED])
     write_json(args.out, dict(benchmark="decode", model=args.model or args.shape, rows=rows,
                               block_size=args.block_size, steps=args.steps, kv_budget_tokens=args.kv_budget_tokens,
                               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                              json_schema=JSON_SCHEMA if "json" in variants else None))
+                              tensor_parallel_size=args.tensor_parallel_size, json_schema=JSON_SCHEMA if "json" in variants else None))
     return 0
 
 
@@ -191,12 +199,13 @@ def _run_batch(llm, args: argparse.Namespace, prompts: list[list[int]], make_par
     step = sorted(decode_times[2:])[len(decode_times[2:]) // 2]  # median after warm-up
     mean = sum(decode_times[2:]) / len(decode_times[2:])
     host = sorted(host_times[2:])[len(host_times[2:]) // 2]
-    spec = runner.spec
-    kv_bytes_per_token = bytes_per_block(spec, 1, runner.kv_dtype)  # float8: with its scales
+    # One GPU's share (with tensor parallelism rank 0 holds its shards of the weights and its KV heads;
+    # the ranks read theirs at the same time)
+    kv_bytes_per_token = bytes_per_block(runner.model.local_spec, 1, runner.kv_dtype)  # float8: with its scales
     bytes_per_step = _weight_bytes(runner.model, batch) + batch * (args.context + args.steps / 2) * kv_bytes_per_token
     floor = bytes_per_step / COPY_BANDWIDTH_BYTES_PER_S
     row = dict(step_ms=1000 * step, host_ms=1000 * host, tokens_per_s=batch / step, mean_tokens_per_s=batch / mean,
-               timed_steps=len(decode_times) - 2,
+               timed_steps=len(decode_times) - 2, bytes_per_step=int(bytes_per_step),
                roofline_tokens_per_s=batch / floor, roofline_fraction=floor / step)
     if kernels is not None:
         row["profile"] = breakdown(kernels, profiled, step)
