@@ -8,6 +8,9 @@ output against the PyTorch twin. Prints ms and the share of the copy bandwidth o
 bytes read (K, V and, for float8, their scales), and writes the rows as JSON.
 
     python scripts/decode_tile_sweep.py [--batch 64,256] [--context 1024,4096] [--out tiles.json]
+
+``--fp8-probabilities`` times each float8 tile again with P @ V on float8 matrix units
+(``paged_decode.FP8_PROBABILITIES``); its error is against the same exact twin.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S
 from zipage.bench.kernels import _as_fp8, _graph_us, _paged_problem, _rel_err
-from zipage.kernels import common
+from zipage.kernels import common, paged_decode
 from zipage.kernels.paged_decode import decode_tile, paged_decode_attention, paged_decode_attention_torch
 
 TILES = [(32, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3), (128, 8, 2)]
@@ -35,6 +38,8 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--default-only", action="store_true",
                    help="time each cache's default tile only (the engine's kernels, bf16 against fp8)")
+    p.add_argument("--fp8-probabilities", action="store_true",
+                   help="also time each float8 tile with P @ V on float8 matrix units")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -57,28 +62,40 @@ def main() -> int:
                 tiles = TILES if fp8 and not args.default_only else [default]  # bf16: its tile, the yardstick
                 for tile in tiles:
                     for fast in ((False, True) if fp8 and not args.default_only else (fp8,)):
-                        common.FAST_FP8_WIDENING = fast
-                        try:
-                            out = paged_decode_attention(q, kc, vc, tables, lens, scale, tile=tile, **scales)
-                            err = _rel_err(out, ref)
-                            ms = _graph_us(lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, tile=tile,
-                                                                          **scales), calls=20) / 1e3
-                        except Exception as e:  # a tile that does not fit (shared memory, registers)
-                            print(f"batch {batch} context {context} fp8 {fp8} tile {tile}: {type(e).__name__}")
-                            continue
-                        finally:
-                            common.FAST_FP8_WIDENING = True
-                        row = dict(batch=batch, context=context, cache="fp8" if fp8 else "bf16", tile=list(tile),
-                                   fast_widening=fast, default=tile == default, ms=ms, rel_err=err,
-                                   of_copy=read / (ms / 1e3) / COPY_BANDWIDTH_BYTES_PER_S)
-                        rows.append(row)
-                        print(f"batch {batch:4d} context {context:5d} {row['cache']:4s} tile {str(tile):13s} "
-                              f"fast {int(fast)} {'*' if row['default'] else ' '} {ms * 1e3:8.1f} us "
-                              f"{row['of_copy']:6.1%} of copy  err {err:.1e}", flush=True)
+                        for probs in ((False, True) if fp8 and args.fp8_probabilities else (False,)):
+                            row = _time(q, kc, vc, tables, lens, scale, scales, ref, tile, fast, probs)
+                            if row is None:
+                                print(f"batch {batch} context {context} fp8 {fp8} tile {tile}: does not run")
+                                continue
+                            row.update(batch=batch, context=context, cache="fp8" if fp8 else "bf16",
+                                       default=tile == default,
+                                       of_copy=read / (row["ms"] / 1e3) / COPY_BANDWIDTH_BYTES_PER_S)
+                            rows.append(row)
+                            print(f"batch {batch:4d} context {context:5d} {row['cache']:4s} tile {str(tile):13s} "
+                                  f"fast {int(fast)} fp8 P@V {int(probs)} {'*' if row['default'] else ' '} "
+                                  f"{row['ms'] * 1e3:8.1f} us {row['of_copy']:6.1%} of copy  err {row['rel_err']:.1e}",
+                                  flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _time(q, kc, vc, tables, lens, scale, scales, ref, tile, fast, probs):
+    """The kernel's ms (20 calls in a CUDA graph) and its error against ``ref``, or None for a tile
+    that does not fit (shared memory, registers)."""
+    common.FAST_FP8_WIDENING, paged_decode.FP8_PROBABILITIES = fast, probs
+    try:
+        out = paged_decode_attention(q, kc, vc, tables, lens, scale, tile=tile, **scales)
+        err = _rel_err(out, ref)
+        ms = _graph_us(lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, tile=tile, **scales),
+                       calls=20) / 1e3
+    except Exception as e:  # noqa: BLE001
+        print(f"  {type(e).__name__}: {str(e)[:200]}")
+        return None
+    finally:
+        common.FAST_FP8_WIDENING, paged_decode.FP8_PROBABILITIES = True, False
+    return dict(tile=list(tile), fast_widening=fast, fp8_probabilities=probs, ms=ms, rel_err=err)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,12 @@
 # steps with fp8 weights and KV (the quantizers fused into the norms and the SwiGLU, and not),
 # then reasoning-8k with fp8 weights and KV, Zipage and full KV. PART picks one (default all).
 #
-#   bash scripts/gpu_fp8.sh [tests|attention|decode|zipage8k|full8k|all]
+#   bash scripts/gpu_fp8.sh [tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k]
+#
+# Not part of all: probs, decode attention and whole decode steps with P @ V on float8 matrix units
+# (paged_decode.FP8_PROBABILITIES) against without; probs-quality, the synthetic tasks' accuracy with it
+# (200 problems a task, fp8 weights and KV, against a bf16 run of the same problems); probs8k, the
+# Zipage reasoning-8k run with it.
 #
 # Each part prints its table; RESULTS (default out/fp8) gets the JSON files.
 set -euo pipefail
@@ -10,8 +15,10 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 part=${1:-all}
 RESULTS=${RESULTS:-out/fp8}
-case "$part" in tests|attention|decode|zipage8k|full8k|all) ;;
-  *) echo "PART must be tests, attention, decode, zipage8k, full8k or all, got '$part'" >&2; exit 2 ;; esac
+case "$part" in tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k) ;;
+  *) echo "PART must be tests, attention, decode, zipage8k, full8k, all, probs, probs-quality or probs8k," \
+          "got '$part'" >&2
+     exit 2 ;; esac
 source scripts/gpu_common.sh
 require_cuda "measures fp8"
 mkdir -p "$RESULTS"
@@ -34,6 +41,38 @@ if [ "$part" = decode ] || [ "$part" = all ]; then
 from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-8b --batch 1,64,256 \
       --modes graphs --steps 32 $FP8 --out "$RESULTS/decode-fused-$fused.json"
   done
+fi
+if [ "$part" = probs ]; then
+  stamp "decode attention, fp8 cache: P @ V widened to bf16 against on float8 matrix units"
+  python3 scripts/decode_tile_sweep.py --default-only --fp8-probabilities --batch 1,16,64,128,256 \
+    --context 1024,2048,4096 --out "$RESULTS/attention-probs.json"
+  for probs in True False; do
+    stamp "whole decode steps, fp8 weights and KV, P @ V on float8 matrix units: $probs"
+    python3 -c "import sys; from zipage.kernels import paged_decode; paged_decode.FP8_PROBABILITIES = $probs
+from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-8b --batch 1,64,256 \
+      --modes graphs --steps 32 $FP8 --out "$RESULTS/decode-probs-$probs.json" 2>&1 | grep -v "it/s\]" | tail -4
+  done
+fi
+if [ "$part" = probs-quality ]; then
+  for task in tracing:checkpoints/tracing-14m ledger:checkpoints/ledger-14m; do
+    name=${task%%:*} model=${task#*:}
+    [ "$name" = ledger ] && task_name=standard || task_name=tracing
+    eval_args=(eval synthetic --model "$model" --task "$task_name" --num-problems 200 --budgets 0.5,0.667
+               --policies zipage --block-size 32 --dtype bfloat16)
+    stamp "accuracy, $name: bf16"
+    python3 -m zipage.cli "${eval_args[@]}" --save-tokens --out "$RESULTS/quality/$name-bf16" 2>&1 | tail -6
+    stamp "accuracy, $name: fp8 weights and KV, P @ V on float8 matrix units"
+    python3 -c "import sys; from zipage.kernels import paged_decode; paged_decode.FP8_PROBABILITIES = True
+from zipage.cli import main; sys.exit(main(sys.argv[1:]))" "${eval_args[@]}" $FP8 \
+      --reference "$RESULTS/quality/$name-bf16" --out "$RESULTS/quality/$name-probs" 2>&1 | tail -6
+  done
+fi
+if [ "$part" = probs8k ]; then
+  stamp "reasoning-8k, zipage, fp8 weights and KV, P @ V on float8 matrix units"
+  python3 -c "import sys; from zipage.kernels import paged_decode; paged_decode.FP8_PROBABILITIES = True
+from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench throughput --shape qwen3-8b --scale 1 \
+    --workload reasoning-8k --modes zipage --hf-requests 0 $FP8 --out "$RESULTS/zipage-8k-probs" 2>&1 \
+    | grep -v "it/s\]\|tok/s\]" | tail -12
 fi
 for mode in zipage full; do
   if [ "$part" = "${mode}8k" ] || [ "$part" = all ]; then

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from tests import test_compression_kernels as ck  # noqa: E402
 from tests import test_kernels as kt  # noqa: E402
-from tests.conftest import assert_close, assert_pool_full, require_triton  # noqa: E402
+from tests.conftest import assert_close, assert_pool_full, relative_error, require_triton  # noqa: E402
 from zipage.kernels.common import (FP8_AMAX_FLOOR, FP8_DTYPE, FP8_MAX, dequantize_fp8_torch,  # noqa: E402
                                    quantize_fp8_torch)
 from zipage.kernels.compact_kv import compact_kv, compact_kv_torch  # noqa: E402
@@ -33,6 +33,20 @@ from zipage.kernels.paged_prefill import paged_prefill_attention, paged_prefill_
 from zipage.kernels.store_kv import store_kv, store_kv_torch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(FP8_DTYPE is None, reason="this torch has no float8_e4m3fn")
+
+try:
+    import triton
+    import triton.language as tl
+
+    from zipage.kernels.paged_decode import _round_to_e4m3
+
+    @triton.jit
+    def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        tl.store(out_ptr + offsets, _round_to_e4m3(tl.load(x_ptr + offsets, mask=mask, other=0.0)), mask=mask)
+except ImportError:  # no Triton: the kernel tests skip
+    pass
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("ZIPAGE_TEST_DEVICE", "cpu") == "cpu",
                           reason="needs a CUDA GPU and ZIPAGE_TEST_DEVICE=cuda")
 
@@ -182,6 +196,74 @@ def test_decode_fp8_whole_rows_and_halves(head_dim, values_token_major):
         out = paged_decode_attention(q, k8, v8, tables, lens, scale, k_scale=k_scale, v_scale=v_scale,
                                      num_splits=num_splits, min_split_tokens=min_split, tile=tile)
         assert_close(out, ref, TRITON_TOLERANCE[torch.float32])
+
+
+FP8_PROBS_TWIN_TOLERANCE = 1e-5  # the kernel against the twin of its own rounding (float32 sums)
+FP8_PROBS_ERROR = 3e-2  # what the probabilities' rounding may cost against the exact float64 reference
+
+
+@pytest.mark.parametrize("group_size, block_size, splits, tile",
+                         [(4, 16, (None, None), None), (4, 16, (3, 1), None), (2, 32, (2, 1), None),
+                          (1, 16, (None, None), None), (4, 32, (1, None), (16, 4, 2)), (2, 32, (2, 1), (16, 4, 2))])
+def test_decode_fp8_probabilities(group_size, block_size, splits, tile, monkeypatch):
+    """FP8_PROBABILITIES: P @ V on float8 operands. Against the twin that rounds the same
+    probabilities the same way (per tile and query head), and within FP8_PROBS_ERROR of the exact
+    float64 reference; tiles smaller than a page (several a page, each program walking several, so
+    that the running maximum rescales the accumulators), splits, a partial last tile whose slots past
+    the context hold NaN bytes (read masked), and a context of 0 (zeros)."""
+    require_triton()
+    from zipage.kernels import paged_decode as pd
+
+    q, k8, v8, tables, lens, k_scale, v_scale, k_ref, v_ref = fp8_decode_inputs(group_size, block_size, torch.float32)
+    v8 = token_major(v8)
+    assert torch.isnan(v8.float()).any()  # the slots past each context
+    scale = HEAD_DIM**-0.5
+    block_n = tile[0] if tile else block_size
+    monkeypatch.setattr(pd, "FP8_PROBABILITIES", True)
+    assert pd.fp8_probabilities(v8.dtype, HEAD_DIM, True) and not pd.fp8_probabilities(v8.dtype, HEAD_DIM, False)
+    num_splits, min_split = splits
+    out = pd.paged_decode_attention(q, k8, v8, tables, lens, scale, k_scale=k_scale, v_scale=v_scale,
+                                    num_splits=num_splits, min_split_tokens=min_split, tile=tile)
+    twin = pd.paged_decode_attention_fp8_probs_torch(q, k8, v8, tables, lens, scale, k_scale=k_scale,
+                                                     v_scale=v_scale, block_n=block_n)
+    ref = kt.reference_decode(q, k_ref, v_ref, tables, lens, scale)
+    live = lens > 0
+    assert torch.isfinite(out).all() and torch.all(out[~live] == 0)
+    assert_close(out[live], twin[live], FP8_PROBS_TWIN_TOLERANCE)
+    error = relative_error(twin[live], ref[live])
+    assert 1e-4 < error < FP8_PROBS_ERROR, error  # the rounding shows, and stays small
+
+
+def test_round_to_e4m3_is_torchs_rounding():
+    """The interpreter's stand-in for the hardware's float32 -> e4m3 conversion gives torch's values
+    (nearest, ties to even) over e4m3's whole non-negative range: every value and every midpoint
+    between neighbours (ties), subnormals included, and random values in between."""
+    require_triton()
+    import triton
+
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(FP8_DTYPE).float()  # 0 .. 448, every e4m3 value
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([grid, midpoints, torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 448,
+                   torch.rand(512, generator=torch.Generator().manual_seed(1)) * 2**-6])
+    out = torch.empty_like(x)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    assert torch.equal(out, x.to(FP8_DTYPE).float())
+
+
+def test_decode_fp8_probabilities_only_where_its_layout_is():
+    """The float8 P @ V path needs token-major values with a tile in one page (pages smaller than
+    a tile keep the widening kernel) and half rows (head_dim >= 32); off unless asked for."""
+    from zipage.kernels import paged_decode as pd
+
+    assert not pd.FP8_PROBABILITIES and not pd.fp8_probabilities(FP8_DTYPE, 128, True)
+    pd.FP8_PROBABILITIES = True
+    try:
+        assert pd.fp8_probabilities(FP8_DTYPE, 128, True)
+        assert not pd.fp8_probabilities(FP8_DTYPE, 128, False)
+        assert not pd.fp8_probabilities(FP8_DTYPE, 16, True)
+        assert not pd.fp8_probabilities(torch.bfloat16, 128, True)
+    finally:
+        pd.FP8_PROBABILITIES = False
 
 
 def test_decode_fp8_float16_queries():
@@ -479,6 +561,16 @@ def test_cuda_kernels_bf16_match_the_twins():
     twin = paged_decode_attention_torch(*big, 128**-0.5, **scb)
     assert torch.isfinite(out).all()
     assert_close(out.float().cpu(), twin.double().cpu(), 2e-2)
+    # the same with P @ V on float8 matrix units, against the twin of its rounding
+    from zipage.kernels import paged_decode as pd
+    pd.FP8_PROBABILITIES = True
+    try:
+        out = paged_decode_attention(*big, 128**-0.5, **scb)
+    finally:
+        pd.FP8_PROBABILITIES = False
+    twin = pd.paged_decode_attention_fp8_probs_torch(*big, 128**-0.5, block_n=128, **scb)
+    assert torch.isfinite(out).all() and torch.all(out[-1] == 0)
+    assert_close(out.float().cpu()[:-1], twin.cpu()[:-1], 2e-2)
     # store_kv: the kernel's float8 values and scales against the twin's
     key = torch.randn(40, 2, 128, device=dev, dtype=torch.bfloat16)
     value = torch.randn(40, 2, 128, device=dev, dtype=torch.bfloat16)

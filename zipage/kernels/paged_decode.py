@@ -49,6 +49,13 @@ DECODE_MAX_SPLITS = 64  # bounds the merge kernel's register tile
 # 124 of 132 SMs idle (32 us per layer against 8 at 1,024 tokens).
 DECODE_MIN_SPLIT_TOKENS = 1024
 DECODE_FILL_PROGRAMS_PER_SM = 4
+# A float8 cache (values token-major, tiles within a page): multiply P @ V on float8 matrix units
+# (``_decode_fp8_probs_kernel``: the probabilities rounded to e4m3, the values as stored) instead of
+# widening the values to bf16. Off by default: compiled for sm_90 its loop takes 856 instructions a
+# 128-token tile against 1,174 (Hopper's float8 warpgroup MMA, the values copied straight to shared
+# memory) but 180 registers a thread against 122, it is not yet timed on a GPU, and the rounding adds
+# about 1-2% relative error to the attention output (the float8 cache itself about 4-6%; docs/fp8.md).
+FP8_PROBABILITIES = False
 
 _LOG2_E = 1.4426950408889634
 
@@ -251,6 +258,186 @@ if triton is not None:
             )
             tl.store(partial_lse_ptr + partial_rows, row_max + tl.log2(safe_sum), mask=row_mask)
 
+    @triton.jit
+    def _round_to_e4m3(x):
+        """Non-negative float32 ``x`` (at most 448) rounded to the nearest float8 e4m3 value, ties to
+        even, still in float32: normal values keep 3 of float32's 23 mantissa bits, values under
+        2**-6 become multiples of 2**-9 (adding and removing 2**14, whose float32 ulp that is).
+        For the interpreter, whose own conversion mis-rounds where rounding carries into the
+        exponent; converting the result to float8 there is exact."""
+        bits = x.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+        subnormal = (x + 16384.0) - 16384.0
+        return tl.where(x < 0.015625, subnormal, normal)
+
+    @triton.jit
+    def _zero_columns(x, keep):
+        """Float8 ``x`` [rows, columns] with the columns where ``keep`` is off set to +0 (as bytes)."""
+        return tl.where(keep[None, :], x.to(tl.uint8, bitcast=True), 0).to(tl.float8e4nv, bitcast=True)
+
+    @triton.jit
+    def _fp8_probs_tile(
+        q_lo, q_hi, row_max, row_sum, acc_lo, acc_hi, tile, context_len,
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head, scale_log2,
+        cache_stride_block, cache_stride_slot, cache_stride_head, scale_stride_block, scale_stride_slot,
+        v_stride_block, v_stride_head, v_stride_dim,
+        HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        FAST_FP8: tl.constexpr, MASKED: tl.constexpr, EXACT_ROUNDING: tl.constexpr,
+    ):
+        """One tile of ``_decode_fp8_probs_kernel``: the online softmax's state after it. MASKED: the
+        tile runs past the context (the sequence's last tile); the others are read unmasked."""
+        page = tl.load(block_table_row + (tile * BLOCK_N) // PAGE_SIZE)
+        slots = (tile % (PAGE_SIZE // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = tile * BLOCK_N + tl.arange(0, BLOCK_N) < context_len
+        half_dims = tl.arange(0, HALF)
+        k_rows = k_cache_ptr + (page.to(tl.int64) * cache_stride_block + slots * cache_stride_slot
+                                + kv_head * cache_stride_head)[:, None]
+        scale_offsets = page.to(tl.int64) * scale_stride_block + slots * scale_stride_slot + kv_head
+        v_cols = v_cache_ptr + page.to(tl.int64) * v_stride_block + kv_head * v_stride_head + slots[None, :]
+        if MASKED:
+            k_lo = tl.load(k_rows + half_dims[None, :], mask=valid[:, None], other=0.0)
+            k_hi = tl.load(k_rows + HALF + half_dims[None, :], mask=valid[:, None], other=0.0)
+            k_scale = tl.load(k_scale_ptr + scale_offsets, mask=valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_offsets, mask=valid, other=0.0)
+            # Stale bytes past the context may be float8 NaNs, which a probability of 0 does not cancel:
+            # read whole words, then zero those tokens' bytes (a masked load would go byte by byte and
+            # hold each byte in a register of its own: 235 registers a thread against 180, compiled for sm_90)
+            v_lo = _zero_columns(tl.load(v_cols + half_dims[:, None] * v_stride_dim), valid)
+            v_hi = _zero_columns(tl.load(v_cols + (HALF + half_dims[:, None]) * v_stride_dim), valid)
+        else:
+            k_lo = tl.load(k_rows + half_dims[None, :])
+            k_hi = tl.load(k_rows + HALF + half_dims[None, :])
+            k_scale = tl.load(k_scale_ptr + scale_offsets)
+            v_scale = tl.load(v_scale_ptr + scale_offsets)
+            v_lo = tl.load(v_cols + half_dims[:, None] * v_stride_dim)
+            v_hi = tl.load(v_cols + (HALF + half_dims[:, None]) * v_stride_dim)
+        scores = tl.dot(q_lo, tl.trans(widen_fp8(k_lo, q_lo.dtype, FAST_FP8)), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_hi, tl.trans(widen_fp8(k_hi, q_hi.dtype, FAST_FP8)), scores, input_precision=DOT_PRECISION)
+        scores = scores * (k_scale * scale_log2)[None, :]
+        if MASKED:
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))  # finite: every tile holds a valid token
+        probs = tl.exp2(scores - new_max[:, None])
+        correction = tl.exp2(row_max - new_max)
+        row_sum = row_sum * correction + tl.sum(probs, 1)
+        # Each probability times its value's scale, in float8: scaled per query head so that the
+        # largest of the tile is 448 (e4m3's largest), the scale applied to the product instead.
+        weighted = probs * v_scale[None, :]
+        bound = tl.max(weighted, 1)
+        row_scale = tl.where(bound > 0, bound * (1.0 / 448.0), 1.0)
+        weighted = weighted * (1.0 / row_scale)[:, None]
+        if EXACT_ROUNDING:
+            weighted = _round_to_e4m3(weighted)
+        weights = weighted.to(tl.float8e4nv)
+        # Transposed, so that the float8 operands meet the matrix units as they lie: O^T [dims, heads]
+        # += V^T [dims, tokens] @ P^T [tokens, heads], V^T being a token-major block's own layout.
+        acc_lo = acc_lo * correction[None, :] + row_scale[None, :] * tl.dot(v_lo, tl.trans(weights))
+        acc_hi = acc_hi * correction[None, :] + row_scale[None, :] * tl.dot(v_hi, tl.trans(weights))
+        return new_max, row_sum, acc_lo, acc_hi
+
+    @triton.jit(do_not_specialize=["block_table_stride", "num_splits"])
+    def _decode_fp8_probs_kernel(
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        context_lens_ptr,
+        out_ptr,
+        partial_out_ptr,
+        partial_lse_ptr,
+        scale_log2,
+        q_stride_seq,
+        q_stride_head,
+        out_stride_seq,
+        out_stride_head,
+        cache_stride_block,
+        cache_stride_slot,
+        cache_stride_head,
+        block_table_stride,
+        num_heads,
+        num_splits,
+        min_split_tiles,
+        k_scale_ptr,
+        v_scale_ptr,
+        scale_stride_block,
+        scale_stride_slot,
+        v_stride_block,
+        v_stride_slot,
+        v_stride_head,
+        v_stride_dim,
+        GROUP_SIZE: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SINGLE_SPLIT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        FAST_FP8: tl.constexpr,
+        EXACT_ROUNDING: tl.constexpr,
+    ):
+        """``_decode_split_kernel`` for a float8 cache with token-major values and tiles within a
+        page, with P @ V on float8 matrix units (``FP8_PROBABILITIES``): the values are multiplied
+        as stored, not widened, and the probabilities (times the values' scales) are rounded to
+        e4m3. Q @ K^T is as in ``_decode_split_kernel`` (keys widened exactly, half rows)."""
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+
+        context_len = tl.load(context_lens_ptr + seq)
+        num_tiles = tl.cdiv(context_len, BLOCK_N)
+        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), min_split_tiles)
+        active_splits = tl.cdiv(num_tiles, tiles_per_split)
+        tile_begin = split * tiles_per_split
+        tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+        if (tile_begin >= tile_end) & (split > 0):
+            return
+
+        rows = tl.arange(0, GROUP_PAD)
+        row_mask = rows < GROUP_SIZE
+        heads = kv_head * GROUP_SIZE + rows
+        HALF: tl.constexpr = HEAD_DIM // 2
+        half_dims = tl.arange(0, HALF)
+        q_rows = q_ptr + seq * q_stride_seq + heads[:, None] * q_stride_head
+        q_lo = tl.load(q_rows + half_dims[None, :], mask=row_mask[:, None], other=0.0)
+        q_hi = tl.load(q_rows + HALF + half_dims[None, :], mask=row_mask[:, None], other=0.0)
+        block_table_row = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+        row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        row_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc_lo = tl.zeros([HALF, GROUP_PAD], tl.float32)  # transposed: [dims, query heads]
+        acc_hi = tl.zeros([HALF, GROUP_PAD], tl.float32)
+        # The tiles wholly inside the context unmasked; then the sequence's partial last tile, if
+        # this split has it.
+        full_end = tl.maximum(tl.minimum(tile_end, context_len // BLOCK_N), tile_begin)
+        for tile in range(tile_begin, full_end):
+            row_max, row_sum, acc_lo, acc_hi = _fp8_probs_tile(
+                q_lo, q_hi, row_max, row_sum, acc_lo, acc_hi, tile, context_len,
+                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head, scale_log2,
+                cache_stride_block, cache_stride_slot, cache_stride_head, scale_stride_block, scale_stride_slot,
+                v_stride_block, v_stride_head, v_stride_dim,
+                HALF, PAGE_SIZE, BLOCK_N, DOT_PRECISION, FAST_FP8, False, EXACT_ROUNDING)
+        if full_end < tile_end:
+            row_max, row_sum, acc_lo, acc_hi = _fp8_probs_tile(
+                q_lo, q_hi, row_max, row_sum, acc_lo, acc_hi, full_end, context_len,
+                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head, scale_log2,
+                cache_stride_block, cache_stride_slot, cache_stride_head, scale_stride_block, scale_stride_slot,
+                v_stride_block, v_stride_head, v_stride_dim,
+                HALF, PAGE_SIZE, BLOCK_N, DOT_PRECISION, FAST_FP8, True, EXACT_ROUNDING)
+
+        acc = tl.join(tl.trans(acc_lo), tl.trans(acc_hi)).permute(0, 2, 1).reshape(GROUP_PAD, HEAD_DIM)
+        safe_sum = tl.where(row_sum > 0, row_sum, 1.0)  # context_len 0: zeros, not NaN
+        result = acc / safe_sum[:, None]
+        dims = tl.arange(0, HEAD_DIM)
+        out_offsets = seq * out_stride_seq + heads[:, None] * out_stride_head + dims[None, :]
+        if SINGLE_SPLIT:
+            tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        elif active_splits <= 1:
+            tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        else:
+            partial_rows = (seq * num_heads + heads) * num_splits + split
+            tl.store(partial_out_ptr + partial_rows[:, None] * HEAD_DIM + dims[None, :], result,
+                     mask=row_mask[:, None])
+            tl.store(partial_lse_ptr + partial_rows, row_max + tl.log2(safe_sum), mask=row_mask)
+
     @triton.jit(do_not_specialize=["num_splits"])
     def _decode_merge_kernel(
         partial_out_ptr,
@@ -315,6 +502,12 @@ def _halves(head_dim: int, cache_dtype: torch.dtype) -> bool:
     than whole rows at Qwen3-8B heads (fewer widened elements live in registers); each half must
     still be a ``tl.dot`` operand (at least 16 wide)."""
     return is_fp8(cache_dtype) and head_dim >= 32
+
+
+def fp8_probabilities(cache_dtype: torch.dtype, head_dim: int, page_per_tile: bool) -> bool:
+    """Whether decode attention multiplies P @ V in float8 (``FP8_PROBABILITIES``): where it is on, for a
+    float8 cache whose values are token-major with each tile in one page, read by half rows."""
+    return FP8_PROBABILITIES and page_per_tile and _halves(head_dim, cache_dtype)
 
 
 def _choose_num_splits(batch, num_kv_heads, max_tiles, min_split_tiles, device):
@@ -410,11 +603,16 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
             k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, *v_cache.stride())
     constexprs = dict(GROUP_SIZE=group_size, GROUP_PAD=max(16, triton.next_power_of_2(group_size)),
                       HEAD_DIM=head_dim, PAGE_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single_split,
-                      DOT_PRECISION=dot_precision(q.dtype), FP8=fp8,
-                      FAST_FP8=fp8 and fast_fp8_widening(q.dtype, q.device),
-                      HALVES=_halves(head_dim, k_cache.dtype), V_TOKEN_MAJOR=values_token_major,
-                      PAGE_PER_TILE=values_token_major and block_size % block_n == 0)
-    launch_kernel(_decode_split_kernel, (batch, num_kv_heads, num_splits), args, constexprs, launches,
+                      DOT_PRECISION=dot_precision(q.dtype), FAST_FP8=fp8 and fast_fp8_widening(q.dtype, q.device))
+    page_per_tile = values_token_major and block_size % block_n == 0
+    if fp8_probabilities(k_cache.dtype, head_dim, page_per_tile):
+        kernel = _decode_fp8_probs_kernel
+        constexprs["EXACT_ROUNDING"] = q.device.type != "cuda"  # the interpreter's conversion mis-rounds
+    else:
+        kernel = _decode_split_kernel
+        constexprs.update(FP8=fp8, HALVES=_halves(head_dim, k_cache.dtype), V_TOKEN_MAJOR=values_token_major,
+                          PAGE_PER_TILE=page_per_tile)
+    launch_kernel(kernel, (batch, num_kv_heads, num_splits), args, constexprs, launches,
                   num_warps=num_warps, num_stages=num_stages)
     if not single_split:
         args = (partial_out, partial_lse, context_lens, out, out.stride(0), out.stride(1), num_heads, num_splits,
@@ -424,28 +622,40 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     return out
 
 
+def _gather_context(k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, dtype):
+    """Each sequence's keys and values [batch, tokens, kv_heads, head_dim] as ``dtype`` (a float8
+    cache's values as stored), their scales [batch, tokens, kv_heads, 1] (None without), and which
+    tokens lie in the context [batch, tokens]; padded to the longest context's pages."""
+    batch, (_, block_size, num_kv_heads, head_dim) = block_tables.shape[0], k_cache.shape
+    # Gather only as many pages as the longest context needs (at least one,
+    # so that every reduction has a non-empty axis).
+    max_context = int(context_lens.max()) if batch else 0
+    num_pages = max(math.ceil(max_context / block_size), 1)
+    page_index = torch.arange(num_pages, device=k_cache.device)
+    pages_used = (context_lens[:, None].long() + block_size - 1) // block_size
+    # Unused block-table entries may hold anything: point them at block 0.
+    pages = torch.where(page_index[None, :] < pages_used, block_tables[:, :num_pages].long(), 0)
+    shape = (batch, num_pages * block_size, num_kv_heads)
+    keys = k_cache[pages].reshape(*shape, head_dim).to(dtype)
+    values = v_cache[pages].reshape(*shape, head_dim).to(dtype)
+    scales = None
+    if k_scale is not None:
+        scales = (k_scale[pages].reshape(*shape, 1).to(dtype), v_scale[pages].reshape(*shape, 1).to(dtype))
+    valid = torch.arange(num_pages * block_size, device=k_cache.device)[None, :] < context_lens[:, None]
+    return keys, values, scales, valid
+
+
 def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, *,
                                  k_scale=None, v_scale=None):
     """PyTorch twin of paged_decode_attention (float32 math, vectorised over the batch)."""
     _check_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
-
-    # Gather only as many pages as the longest context needs (at least one,
-    # so that every reduction below has a non-empty axis).
-    max_context = int(context_lens.max()) if batch else 0
-    num_pages = max(math.ceil(max_context / block_size), 1)
-    page_index = torch.arange(num_pages, device=q.device)
-    pages_used = (context_lens[:, None].long() + block_size - 1) // block_size
-    # Unused block-table entries may hold anything: point them at block 0.
-    pages = torch.where(page_index[None, :] < pages_used, block_tables[:, :num_pages].long(), 0)
-    keys = k_cache[pages].reshape(batch, num_pages * block_size, num_kv_heads, head_dim).float()
-    values = v_cache[pages].reshape(batch, num_pages * block_size, num_kv_heads, head_dim).float()
-    if k_scale is not None:  # dequantize
-        keys = keys * k_scale[pages].reshape(batch, num_pages * block_size, num_kv_heads, 1)
-        values = values * v_scale[pages].reshape(batch, num_pages * block_size, num_kv_heads, 1)
-    valid = torch.arange(num_pages * block_size, device=q.device)[None, :] < context_lens[:, None]
+    keys, values, scales, valid = _gather_context(k_cache, v_cache, block_tables, context_lens, k_scale, v_scale,
+                                                  torch.float32)
+    if scales is not None:  # dequantize
+        keys, values = keys * scales[0], values * scales[1]
     values = values.masked_fill(~valid[:, :, None, None], 0.0)
 
     queries = q.float().reshape(batch, num_kv_heads, group_size, head_dim)
@@ -461,3 +671,37 @@ def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens
         return result
     out.copy_(result)
     return out
+
+
+def paged_decode_attention_fp8_probs_torch(q, k_cache, v_cache, block_tables, context_lens, scale, *, k_scale,
+                                           v_scale, block_n: int):
+    """PyTorch twin of the float8 P @ V path (``FP8_PROBABILITIES``), in float64: per tile of
+    ``block_n`` tokens and query head, the probabilities times the values' scales are scaled so
+    that the largest is 448, rounded to e4m3, multiplied by the stored values and scaled back
+    (the rounding does not depend on the running maximum the kernel keeps, nor on its splits);
+    the softmax's sum is of the unrounded probabilities."""
+    _check_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    assert is_fp8(k_cache.dtype)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    keys, values, (key_scales, value_scales), valid = _gather_context(
+        k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, torch.float64)
+    tokens = valid.shape[1]
+    pad = -tokens % block_n  # whole tiles (pages smaller than a tile do not take this path)
+    queries = q.double().reshape(batch, num_kv_heads, group_size, head_dim)
+    scores = torch.einsum("bhgd,bnhd->bhgn", queries, keys * key_scales) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    probs = torch.exp(scores - row_max)  # 0 past the context
+    row_sum = probs.sum(dim=-1, keepdim=True)
+    weighted = probs * value_scales[..., 0].permute(0, 2, 1)[:, :, None, :].nan_to_num(0.0)  # stale past the context
+    weighted = torch.nn.functional.pad(weighted, (0, pad)).unflatten(-1, (-1, block_n))  # [b, h, g, tiles, n]
+    bound = weighted.amax(dim=-1, keepdim=True)
+    row_scale = torch.where(bound > 0, bound / 448, 1.0)
+    rounded = (weighted / row_scale).to(k_cache.dtype).double()
+    values = torch.nn.functional.pad(values.masked_fill(~valid[:, :, None, None], 0.0), (0, 0, 0, 0, 0, pad))
+    products = torch.einsum("bhgtn,btnhd->bhgtd", rounded, values.unflatten(1, (-1, block_n)))
+    result = (products * row_scale).sum(dim=3) / torch.where(row_sum > 0, row_sum, 1.0)
+    return result.reshape(batch, num_heads, head_dim)
