@@ -62,6 +62,33 @@ _LOG2_E = 1.4426950408889634
 
 if triton is not None:
 
+    @triton.jit
+    def _split_tiles(context_len, split, num_splits, min_split_tiles, BLOCK_N: tl.constexpr):
+        """(first tile, end tile, active splits) of this split of a sequence's context_len tokens."""
+        num_tiles = tl.cdiv(context_len, BLOCK_N)
+        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), min_split_tiles)
+        tile_begin = split * tiles_per_split
+        return tile_begin, tl.minimum(tile_begin + tiles_per_split, num_tiles), tl.cdiv(num_tiles, tiles_per_split)
+
+    @triton.jit
+    def _store_split(acc, row_max, row_sum, out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, row_mask, split,
+                     num_splits, active_splits, num_heads, out_stride_seq, out_stride_head,
+                     HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr):
+        """A split's normalised output [query heads, HEAD_DIM]: the sequence's output when it needs one
+        split (always when SINGLE_SPLIT), else a partial output and its log-sum-exp for the merge."""
+        # context_len 0 leaves row_sum 0: write zeros, not NaN.
+        safe_sum = tl.where(row_sum > 0, row_sum, 1.0)
+        result = acc / safe_sum[:, None]
+        dims = tl.arange(0, HEAD_DIM)
+        if SINGLE_SPLIT or active_splits <= 1:  # nothing to merge
+            out_offsets = seq * out_stride_seq + heads[:, None] * out_stride_head + dims[None, :]
+            tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        else:
+            partial_rows = (seq * num_heads + heads) * num_splits + split
+            tl.store(partial_out_ptr + partial_rows[:, None] * HEAD_DIM + dims[None, :], result,
+                     mask=row_mask[:, None])
+            tl.store(partial_lse_ptr + partial_rows, row_max + tl.log2(safe_sum), mask=row_mask)
+
     @triton.jit(do_not_specialize=["block_table_stride", "num_splits"])
     def _decode_split_kernel(
         q_ptr,
@@ -115,11 +142,7 @@ if triton is not None:
         split = tl.program_id(2)
 
         context_len = tl.load(context_lens_ptr + seq)
-        num_tiles = tl.cdiv(context_len, BLOCK_N)
-        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), min_split_tiles)
-        active_splits = tl.cdiv(num_tiles, tiles_per_split)
-        tile_begin = split * tiles_per_split
-        tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+        tile_begin, tile_end, active_splits = _split_tiles(context_len, split, num_splits, min_split_tiles, BLOCK_N)
         # Splits past a short context have no work; the merge kernel skips
         # them. Split 0 always runs so that a context_len of 0 writes zeros.
         if (tile_begin >= tile_end) & (split > 0):
@@ -241,22 +264,8 @@ if triton is not None:
 
         if HALVES:  # [lo | hi] along head_dim
             acc = tl.join(acc_lo, acc_hi).permute(0, 2, 1).reshape(GROUP_PAD, HEAD_DIM)
-        # context_len 0 leaves row_sum 0: write zeros, not NaN.
-        safe_sum = tl.where(row_sum > 0, row_sum, 1.0)
-        result = acc / safe_sum[:, None]
-        out_offsets = seq * out_stride_seq + heads[:, None] * out_stride_head + dims[None, :]
-        if SINGLE_SPLIT:
-            tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-        elif active_splits <= 1:  # this sequence needs one split: nothing to merge
-            tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-        else:
-            partial_rows = (seq * num_heads + heads) * num_splits + split
-            tl.store(
-                partial_out_ptr + partial_rows[:, None] * HEAD_DIM + dims[None, :],
-                result,
-                mask=row_mask[:, None],
-            )
-            tl.store(partial_lse_ptr + partial_rows, row_max + tl.log2(safe_sum), mask=row_mask)
+        _store_split(acc, row_max, row_sum, out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, row_mask, split,
+                     num_splits, active_splits, num_heads, out_stride_seq, out_stride_head, HEAD_DIM, SINGLE_SPLIT)
 
     @triton.jit
     def _round_to_e4m3(x):
@@ -384,11 +393,7 @@ if triton is not None:
         split = tl.program_id(2)
 
         context_len = tl.load(context_lens_ptr + seq)
-        num_tiles = tl.cdiv(context_len, BLOCK_N)
-        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), min_split_tiles)
-        active_splits = tl.cdiv(num_tiles, tiles_per_split)
-        tile_begin = split * tiles_per_split
-        tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+        tile_begin, tile_end, active_splits = _split_tiles(context_len, split, num_splits, min_split_tiles, BLOCK_N)
         if (tile_begin >= tile_end) & (split > 0):
             return
 
@@ -424,19 +429,8 @@ if triton is not None:
                 HALF, PAGE_SIZE, BLOCK_N, DOT_PRECISION, FAST_FP8, True, EXACT_ROUNDING)
 
         acc = tl.join(tl.trans(acc_lo), tl.trans(acc_hi)).permute(0, 2, 1).reshape(GROUP_PAD, HEAD_DIM)
-        safe_sum = tl.where(row_sum > 0, row_sum, 1.0)  # context_len 0: zeros, not NaN
-        result = acc / safe_sum[:, None]
-        dims = tl.arange(0, HEAD_DIM)
-        out_offsets = seq * out_stride_seq + heads[:, None] * out_stride_head + dims[None, :]
-        if SINGLE_SPLIT:
-            tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-        elif active_splits <= 1:
-            tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-        else:
-            partial_rows = (seq * num_heads + heads) * num_splits + split
-            tl.store(partial_out_ptr + partial_rows[:, None] * HEAD_DIM + dims[None, :], result,
-                     mask=row_mask[:, None])
-            tl.store(partial_lse_ptr + partial_rows, row_max + tl.log2(safe_sum), mask=row_mask)
+        _store_split(acc, row_max, row_sum, out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, row_mask, split,
+                     num_splits, active_splits, num_heads, out_stride_seq, out_stride_head, HEAD_DIM, SINGLE_SPLIT)
 
     @triton.jit(do_not_specialize=["num_splits"])
     def _decode_merge_kernel(
