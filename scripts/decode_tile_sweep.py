@@ -10,7 +10,9 @@ bytes read (K, V and, for float8, their scales), and writes the rows as JSON.
     python scripts/decode_tile_sweep.py [--batch 64,256] [--context 1024,4096] [--out tiles.json]
 
 ``--fp8-probabilities`` times each float8 tile again with P @ V on float8 matrix units
-(``paged_decode.FP8_PROBABILITIES``); its error is against the same exact twin.
+(``paged_decode.FP8_PROBABILITIES``), with the compiler's register count and with each cap of
+``--max-registers`` (``paged_decode.FP8_PROBS_MAX_REGISTERS``); its error is against the same
+exact twin.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def main() -> int:
                    help="time each cache's default tile only (the engine's kernels, bf16 against fp8)")
     p.add_argument("--fp8-probabilities", action="store_true",
                    help="also time each float8 tile with P @ V on float8 matrix units")
+    p.add_argument("--max-registers", default="168,128",
+                   help="with --fp8-probabilities: register caps to time it with too (comma-separated)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -62,8 +66,11 @@ def main() -> int:
                 tiles = TILES if fp8 and not args.default_only else [default]  # bf16: its tile, the yardstick
                 for tile in tiles:
                     for fast in ((False, True) if fp8 and not args.default_only else (fp8,)):
-                        for probs in ((False, True) if fp8 and args.fp8_probabilities else (False,)):
-                            row = _time(q, kc, vc, tables, lens, scale, scales, ref, tile, fast, probs)
+                        caps = [None] + [int(r) for r in args.max_registers.split(",") if r]
+                        variants = [(False, None)] + ([(True, cap) for cap in caps] if fp8 and args.fp8_probabilities
+                                                      else [])
+                        for probs, cap in variants:
+                            row = _time(q, kc, vc, tables, lens, scale, scales, ref, tile, fast, probs, cap)
                             if row is None:
                                 print(f"batch {batch} context {context} fp8 {fp8} tile {tile}: does not run")
                                 continue
@@ -72,7 +79,8 @@ def main() -> int:
                                        of_copy=read / (row["ms"] / 1e3) / COPY_BANDWIDTH_BYTES_PER_S)
                             rows.append(row)
                             print(f"batch {batch:4d} context {context:5d} {row['cache']:4s} tile {str(tile):13s} "
-                                  f"fast {int(fast)} fp8 P@V {int(probs)} {'*' if row['default'] else ' '} "
+                                  f"fast {int(fast)} fp8 P@V {int(probs)} regs {cap or '-':>3} "
+                                  f"{'*' if row['default'] else ' '} "
                                   f"{row['ms'] * 1e3:8.1f} us {row['of_copy']:6.1%} of copy  err {row['rel_err']:.1e}",
                                   flush=True)
     if args.out:
@@ -81,10 +89,11 @@ def main() -> int:
     return 0
 
 
-def _time(q, kc, vc, tables, lens, scale, scales, ref, tile, fast, probs):
+def _time(q, kc, vc, tables, lens, scale, scales, ref, tile, fast, probs, max_registers):
     """The kernel's ms (20 calls in a CUDA graph) and its error against ``ref``, or None for a tile
     that does not fit (shared memory, registers)."""
     common.FAST_FP8_WIDENING, paged_decode.FP8_PROBABILITIES = fast, probs
+    paged_decode.FP8_PROBS_MAX_REGISTERS = max_registers
     try:
         out = paged_decode_attention(q, kc, vc, tables, lens, scale, tile=tile, **scales)
         err = _rel_err(out, ref)
@@ -95,7 +104,9 @@ def _time(q, kc, vc, tables, lens, scale, scales, ref, tile, fast, probs):
         return None
     finally:
         common.FAST_FP8_WIDENING, paged_decode.FP8_PROBABILITIES = True, False
-    return dict(tile=list(tile), fast_widening=fast, fp8_probabilities=probs, ms=ms, rel_err=err)
+        paged_decode.FP8_PROBS_MAX_REGISTERS = None
+    return dict(tile=list(tile), fast_widening=fast, fp8_probabilities=probs, max_registers=max_registers, ms=ms,
+                rel_err=err)
 
 
 if __name__ == "__main__":

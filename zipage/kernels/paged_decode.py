@@ -56,6 +56,10 @@ DECODE_FILL_PROGRAMS_PER_SM = 4
 # memory) but 180 registers a thread against 122, it is not yet timed on a GPU, and the rounding adds
 # about 1-2% relative error to the attention output (the float8 cache itself about 4-6%; docs/fp8.md).
 FP8_PROBABILITIES = False
+# Registers a thread of that kernel may hold (Triton's ``maxnreg``; None: as the compiler needs). At 180
+# two programs fit an SM; 168 (three) spills 10 instructions' worth, 128 (four, as the widening kernel)
+# 23, compiled for sm_90. Untimed: a knob for the GPU to decide (scripts/decode_tile_sweep.py).
+FP8_PROBS_MAX_REGISTERS = None
 
 _LOG2_E = 1.4426950408889634
 
@@ -599,15 +603,17 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
                       HEAD_DIM=head_dim, PAGE_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single_split,
                       DOT_PRECISION=dot_precision(q.dtype), FAST_FP8=fp8 and fast_fp8_widening(q.dtype, q.device))
     page_per_tile = values_token_major and block_size % block_n == 0
+    options = dict(num_warps=num_warps, num_stages=num_stages)
     if fp8_probabilities(k_cache.dtype, head_dim, page_per_tile):
         kernel = _decode_fp8_probs_kernel
         constexprs["EXACT_ROUNDING"] = q.device.type != "cuda"  # the interpreter's conversion mis-rounds
+        if FP8_PROBS_MAX_REGISTERS is not None and q.device.type == "cuda":
+            options["maxnreg"] = FP8_PROBS_MAX_REGISTERS
     else:
         kernel = _decode_split_kernel
         constexprs.update(FP8=fp8, HALVES=_halves(head_dim, k_cache.dtype), V_TOKEN_MAJOR=values_token_major,
                           PAGE_PER_TILE=page_per_tile)
-    launch_kernel(kernel, (batch, num_kv_heads, num_splits), args, constexprs, launches,
-                  num_warps=num_warps, num_stages=num_stages)
+    launch_kernel(kernel, (batch, num_kv_heads, num_splits), args, constexprs, launches, **options)
     if not single_split:
         args = (partial_out, partial_lse, context_lens, out, out.stride(0), out.stride(1), num_heads, num_splits,
                 min_split_tiles)
