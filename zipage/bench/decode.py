@@ -137,7 +137,8 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     write_json(args.out, dict(benchmark="decode", model=args.model or args.shape, rows=rows,
                               block_size=args.block_size, steps=args.steps, kv_budget_tokens=args.kv_budget_tokens,
                               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                              tensor_parallel_size=args.tensor_parallel_size, json_schema=JSON_SCHEMA if "json" in variants else None))
+                              tensor_parallel_size=args.tensor_parallel_size,
+                              json_schema=JSON_SCHEMA if "json" in variants else None))
     return 0
 
 

@@ -353,7 +353,8 @@ if triton is not None:
                 score_dst = score_plane + dst_pages.to(tl.int64) * score_stride_block + dst_slots * score_stride_slot
                 tl.store(score_ptr + score_dst, scores, mask=token_mask)
             if KV_SCALES:
-                scale_dst = kv_scale_head + dst_pages.to(tl.int64) * kv_scale_stride_block + dst_slots * kv_scale_stride_slot
+                scale_dst = (kv_scale_head + dst_pages.to(tl.int64) * kv_scale_stride_block
+                             + dst_slots * kv_scale_stride_slot)
                 tl.store(kv_scale_ptr + scale_dst, key_scales, mask=token_mask)
                 tl.store(kv_scale_ptr + kv_scale_plane + scale_dst, value_scales, mask=token_mask)
 
