@@ -624,6 +624,32 @@ def test_cuda_kernels_bf16_match_the_twins():
 
 @cuda
 @pytest.mark.parametrize("compressed", [False, True], ids=["full-kv", "compression"])
+def test_cuda_engine_fp8_probabilities(tmp_path, compressed, monkeypatch):
+    """The engine with CUDA graphs and a float8 cache, its decode attention taking P @ V on float8
+    matrix units (heads of 64: read by half rows, as the path needs), against the widening kernel."""
+    from zipage import CompressionConfig
+    from zipage.kernels import paged_decode as pd
+    from zipage.utils.checkpoint import make_checkpoint
+
+    model_dir = make_checkpoint(str(tmp_path / "heads64"), arch="qwen3", head_dim=64, initializer_range=0.05, seed=11)
+    compression = CompressionConfig(max_blocks_per_seq=3) if compressed else None
+    _, widened = _run(model_dir, "fp8", compression, dtype="bfloat16")
+    taken, chooses = [], pd.fp8_probabilities
+
+    def spy(*args):
+        taken.append(chooses(*args))
+        return taken[-1]
+
+    monkeypatch.setattr(pd, "FP8_PROBABILITIES", True)
+    monkeypatch.setattr(pd, "fp8_probabilities", spy)
+    _, rounded = _run(model_dir, "fp8", compression, dtype="bfloat16")
+    assert any(taken)  # the float8 P @ V kernel ran (captured in the decode graphs)
+    worst, _, agreement = compare_to_unquantized(widened, rounded, near_ties=False)
+    assert worst < 0.3 and agreement > 0.05
+
+
+@cuda
+@pytest.mark.parametrize("compressed", [False, True], ids=["full-kv", "compression"])
 def test_cuda_engine_fp8_with_cuda_graphs(tiny_model, compressed):
     """bf16 engine with CUDA graphs (decode and, with compression, compaction) and a float8 cache
     against the same engine with a bf16 cache; the eager engine (no graphs) runs too."""
