@@ -15,7 +15,11 @@
 # CUDA graphs and headroom. Each 80 GB card at TP=2 holds half of Qwen3-32B's 65.5 GB of weights,
 # so it keeps 80 - 32.8 - 15.6 = 31.6 GB for KV, 63.2 GB over the two; a token costs 256 KiB there
 # (64 layers x 8 KV heads x 128 x 2 x 2 bytes), so the cap is 241,394 tokens (KV_TOKENS overrides).
-# MAX_S (default 420) cuts a 32B run short so that it fits a call: the tokens so far count.
+# MAX_S (default 420) cuts a 32B run short so that it fits a call: the tokens so far count. SCALE
+# (default 1) shrinks the workload's lengths (a 32B run's KV cap stays as set). The scheduling replay
+# of the 32B runs (zipage bench replay --shape qwen3-32b --workload reasoning-8k --modes full,zipage
+# --kv-cache-tokens 241394 --tensor-parallel-size 2, on a CPU) gives 143 requests, 221 preemptions for
+# full KV, and 47 preemptions, 3,130 compressions and 98 query slots for Zipage.
 # RESULTS (default out/tp) gets each part's JSON; every line of output is also printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,8 +47,8 @@ throughput() {  # SHAPE MODE [extra options]
   local shape=$1 mode=$2
   shift 2
   stamp "reasoning-8k, $shape, $mode, TP=$tp"
-  python3 -m zipage.cli bench throughput --shape "$shape" --scale 1 --workload reasoning-8k --modes "$mode" \
-    --hf-requests 0 --tensor-parallel-size "$tp" --out "$RESULTS/$shape-$mode-tp$tp" "$@" 2>&1 \
+  python3 -m zipage.cli bench throughput --shape "$shape" --scale "${SCALE:-1}" --workload reasoning-8k \
+    --modes "$mode" --hf-requests 0 --tensor-parallel-size "$tp" --out "$RESULTS/$shape-$mode-tp$tp" "$@" 2>&1 \
     | grep -v "it/s\]\|tok/s\]" | tail -12
 }
 
