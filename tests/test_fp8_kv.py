@@ -38,13 +38,13 @@ try:
     import triton
     import triton.language as tl
 
-    from zipage.kernels.paged_decode import _round_to_e4m3
+    from zipage.kernels.common import round_to_e4m3
 
     @triton.jit
     def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
-        tl.store(out_ptr + offsets, _round_to_e4m3(tl.load(x_ptr + offsets, mask=mask, other=0.0)), mask=mask)
+        tl.store(out_ptr + offsets, round_to_e4m3(tl.load(x_ptr + offsets, mask=mask, other=0.0)), mask=mask)
 except ImportError:  # no Triton: the kernel tests skip
     pass
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("ZIPAGE_TEST_DEVICE", "cpu") == "cpu",
@@ -236,8 +236,8 @@ def test_decode_fp8_probabilities(group_size, block_size, splits, tile, monkeypa
 
 def test_round_to_e4m3_is_torchs_rounding():
     """The interpreter's stand-in for the hardware's float32 -> e4m3 conversion gives torch's values
-    (nearest, ties to even) over e4m3's whole non-negative range: every value and every midpoint
-    between neighbours (ties), subnormals included, and random values in between."""
+    (nearest, ties to even) over e4m3's whole range: every value and every midpoint between
+    neighbours (ties), subnormals included, random values in between, and their negatives."""
     require_triton()
     import triton
 
@@ -245,6 +245,7 @@ def test_round_to_e4m3_is_torchs_rounding():
     midpoints = (grid[1:] + grid[:-1]) / 2
     x = torch.cat([grid, midpoints, torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 448,
                    torch.rand(512, generator=torch.Generator().manual_seed(1)) * 2**-6])
+    x = torch.cat([x, -x])
     out = torch.empty_like(x)
     _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
     assert torch.equal(out, x.to(FP8_DTYPE).float())

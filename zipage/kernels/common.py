@@ -200,6 +200,18 @@ if triton is not None:
             return x.to(dtype)
 
     @triton.jit
+    def round_to_e4m3(v):
+        """``v`` (float32, |v| <= 448) rounded to the nearest e4m3 value (ties to even), still
+        in float32, so that the cast after it is exact (the Triton interpreter's own float8
+        rounding is crude: it mis-rounds where rounding carries into the exponent). Adding then
+        subtracting ``1.5 * 2**23 * q`` rounds to a multiple of q, the spacing of e4m3 values
+        around ``v``: 2**(exponent - 3), and 2**-9 below 2**-6."""
+        exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        q_exponent = tl.maximum(exponent, 127 - 6) - 3
+        magic = ((q_exponent + 23) << 23).to(tl.float32, bitcast=True) * 1.5
+        return (v + magic) - magic
+
+    @triton.jit
     def load_kv_scales(k_scale_ptr, v_scale_ptr, pages, positions, stride_block, stride_slot, kv_head, mask,
                        PAGE_SIZE: tl.constexpr):
         """The float32 scales of the keys and values at ``positions`` (held in ``pages``) of one KV
@@ -209,4 +221,4 @@ if triton is not None:
                 tl.load(v_scale_ptr + offsets, mask=mask, other=0.0))
 
 else:
-    fp8_to_bf16 = widen_fp8 = load_kv_scales = None
+    fp8_to_bf16 = widen_fp8 = load_kv_scales = round_to_e4m3 = None

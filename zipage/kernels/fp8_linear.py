@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zipage.kernels.common import dot_precision, fast_fp8_widening, widen_fp8
+from zipage.kernels.common import dot_precision, fast_fp8_widening, round_to_e4m3, widen_fp8
 
 try:
     import triton
@@ -355,21 +355,10 @@ if triton is not None:
                       scale_ptr, xscale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, HAS_BIAS, A8)
 
     @triton.jit
-    def _round_to_e4m3(v):
-        """``v`` (float32, |v| <= 448) rounded to the nearest e4m3 value (ties to even), still
-        in float32, so that the cast after it is exact (the Triton interpreter's own float8
-        rounding is crude). Adding then subtracting ``1.5 * 2**23 * q`` rounds to a multiple of
-        q, the spacing of e4m3 values around ``v``: 2**(exponent - 3), and 2**-9 below 2**-6."""
-        exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        q_exponent = tl.maximum(exponent, 127 - 6) - 3
-        magic = ((q_exponent + 23) << 23).to(tl.float32, bitcast=True) * 1.5
-        return (v + magic) - magic
-
-    @triton.jit
     def quantize_row_block(y, scale):
         """float32 ``y`` / ``scale`` clamped to e4m3's range and rounded to it (still float32): the
         numbers of ``_quantize_rows_kernel``, for kernels that quantize the rows they produce."""
-        return _round_to_e4m3(tl.minimum(tl.maximum(tl.fdiv(y, scale, ieee_rounding=True), -_FP8_MAX), _FP8_MAX))
+        return round_to_e4m3(tl.minimum(tl.maximum(tl.fdiv(y, scale, ieee_rounding=True), -_FP8_MAX), _FP8_MAX))
 
     @triton.jit
     def _silu_mul(x_ptr, row, stride_xm, half, cols, mask, OUT_DTYPE: tl.constexpr):

@@ -15,7 +15,7 @@ import math
 import torch
 
 from zipage.kernels.common import (dot_precision, fast_fp8_widening, is_fp8, launch_kernel, load_kv_scales,
-                                   multiprocessor_count, token_major, widen_fp8)
+                                   multiprocessor_count, round_to_e4m3, token_major, widen_fp8)
 
 try:
     import triton
@@ -272,18 +272,6 @@ if triton is not None:
                      num_splits, active_splits, num_heads, out_stride_seq, out_stride_head, HEAD_DIM, SINGLE_SPLIT)
 
     @triton.jit
-    def _round_to_e4m3(x):
-        """Non-negative float32 ``x`` (at most 448) rounded to the nearest float8 e4m3 value, ties to
-        even, still in float32: normal values keep 3 of float32's 23 mantissa bits, values under
-        2**-6 become multiples of 2**-9 (adding and removing 2**14, whose float32 ulp that is).
-        For the interpreter, whose own conversion mis-rounds where rounding carries into the
-        exponent; converting the result to float8 there is exact."""
-        bits = x.to(tl.int32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-        subnormal = (x + 16384.0) - 16384.0
-        return tl.where(x < 0.015625, subnormal, normal)
-
-    @triton.jit
     def _zero_columns(x, keep):
         """Float8 ``x`` [rows, columns] with the columns where ``keep`` is off set to +0 (as bytes)."""
         return tl.where(keep[None, :], x.to(tl.uint8, bitcast=True), 0).to(tl.float8e4nv, bitcast=True)
@@ -340,7 +328,7 @@ if triton is not None:
         row_scale = tl.where(bound > 0, bound * (1.0 / 448.0), 1.0)
         weighted = weighted * (1.0 / row_scale)[:, None]
         if EXACT_ROUNDING:
-            weighted = _round_to_e4m3(weighted)
+            weighted = round_to_e4m3(weighted)
         weights = weighted.to(tl.float8e4nv)
         # Transposed, so that the float8 operands meet the matrix units as they lie: O^T [dims, heads]
         # += V^T [dims, tokens] @ P^T [tokens, heads], V^T being a token-major block's own layout.
