@@ -7,7 +7,8 @@
 # Not part of all: probs, decode attention and whole decode steps with P @ V on float8 matrix units
 # (paged_decode.FP8_PROBABILITIES) against without; probs-quality, the synthetic tasks' accuracy with it
 # (200 problems a task, fp8 weights and KV, against a bf16 run of the same problems); probs8k, the
-# Zipage reasoning-8k run with it.
+# Zipage reasoning-8k run with it. PROBS_MAX_REGISTERS (default 128, the fastest cap in the
+# attention sweep) caps that kernel's registers in those parts.
 #
 # Each part prints its table; RESULTS (default out/fp8) gets the JSON files.
 set -euo pipefail
@@ -23,6 +24,11 @@ source scripts/gpu_common.sh
 require_cuda "measures fp8"
 mkdir -p "$RESULTS"
 FP8="--quantization fp8 --kv-cache-dtype fp8"
+PROBS_MAX_REGISTERS=${PROBS_MAX_REGISTERS:-128}
+probs_on() {  # python source that turns the float8 P @ V path on ($1: True or False)
+  echo "from zipage.kernels import paged_decode; paged_decode.FP8_PROBABILITIES = $1
+paged_decode.FP8_PROBS_MAX_REGISTERS = $PROBS_MAX_REGISTERS"
+}
 
 if [ "$part" = tests ] || [ "$part" = all ]; then
   stamp "fp8 CUDA tests"
@@ -48,7 +54,7 @@ if [ "$part" = probs ]; then
     --context 1024,2048,4096 --out "$RESULTS/attention-probs.json"
   for probs in True False; do
     stamp "whole decode steps, fp8 weights and KV, P @ V on float8 matrix units: $probs"
-    python3 -c "import sys; from zipage.kernels import paged_decode; paged_decode.FP8_PROBABILITIES = $probs
+    python3 -c "import sys; $(probs_on $probs)
 from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-8b --batch 1,64,256 \
       --modes graphs --steps 32 $FP8 --out "$RESULTS/decode-probs-$probs.json" 2>&1 | grep -v "it/s\]" | tail -4
   done
@@ -62,14 +68,14 @@ if [ "$part" = probs-quality ]; then
     stamp "accuracy, $name: bf16"
     python3 -m zipage.cli "${eval_args[@]}" --save-tokens --out "$RESULTS/quality/$name-bf16" 2>&1 | tail -6
     stamp "accuracy, $name: fp8 weights and KV, P @ V on float8 matrix units"
-    python3 -c "import sys; from zipage.kernels import paged_decode; paged_decode.FP8_PROBABILITIES = True
+    python3 -c "import sys; $(probs_on True)
 from zipage.cli import main; sys.exit(main(sys.argv[1:]))" "${eval_args[@]}" $FP8 \
       --reference "$RESULTS/quality/$name-bf16" --out "$RESULTS/quality/$name-probs" 2>&1 | tail -6
   done
 fi
 if [ "$part" = probs8k ]; then
   stamp "reasoning-8k, zipage, fp8 weights and KV, P @ V on float8 matrix units"
-  python3 -c "import sys; from zipage.kernels import paged_decode; paged_decode.FP8_PROBABILITIES = True
+  python3 -c "import sys; $(probs_on True)
 from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench throughput --shape qwen3-8b --scale 1 \
     --workload reasoning-8k --modes zipage --hf-requests 0 $FP8 --out "$RESULTS/zipage-8k-probs" 2>&1 \
     | grep -v "it/s\]\|tok/s\]" | tail -12

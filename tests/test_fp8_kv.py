@@ -478,12 +478,13 @@ def _prompt(seed, n, vocab=384):
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def _run(model_dir, kv_cache_dtype, compression, **kwargs):
+def _run(model_dir, kv_cache_dtype, compression, block_size=BLOCK, max_model_len=256, max_tokens=MAX_TOKENS,
+         **kwargs):
     from zipage import SamplingParams
     from tests.conftest import make_llm
-    llm = make_llm(model_dir, block_size=BLOCK, max_model_len=256, kv_cache_dtype=kv_cache_dtype,
+    llm = make_llm(model_dir, block_size=block_size, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
                    compression=compression, **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
     outputs = llm.generate([_prompt(i, n) for i, n in enumerate(PROMPT_LENGTHS)], params, use_tqdm=False)
     assert_pool_full(llm)
     return llm, [o.outputs[0] for o in outputs]
@@ -627,14 +628,17 @@ def test_cuda_kernels_bf16_match_the_twins():
 @pytest.mark.parametrize("compressed", [False, True], ids=["full-kv", "compression"])
 def test_cuda_engine_fp8_probabilities(tmp_path, compressed, monkeypatch):
     """The engine with CUDA graphs and a float8 cache, its decode attention taking P @ V on float8
-    matrix units (heads of 64: read by half rows, as the path needs), against the widening kernel."""
+    matrix units, against the widening kernel. The path needs each 128-token tile in one page
+    and heads read by half rows: pages of 128 tokens, heads of 64; with compression, sequences
+    of up to 63 + 224 tokens under a budget of 128 are compressed at least once."""
     from zipage import CompressionConfig
     from zipage.kernels import paged_decode as pd
     from zipage.utils.checkpoint import make_checkpoint
 
     model_dir = make_checkpoint(str(tmp_path / "heads64"), arch="qwen3", head_dim=64, initializer_range=0.05, seed=11)
-    compression = CompressionConfig(max_blocks_per_seq=3) if compressed else None
-    _, widened = _run(model_dir, "fp8", compression, dtype="bfloat16")
+    compression = CompressionConfig(max_blocks_per_seq=2) if compressed else None
+    sizes = dict(block_size=128, max_model_len=512, max_tokens=224, dtype="bfloat16")
+    _, widened = _run(model_dir, "fp8", compression, **sizes)
     taken, chooses = [], pd.fp8_probabilities
 
     def spy(*args):
@@ -643,8 +647,10 @@ def test_cuda_engine_fp8_probabilities(tmp_path, compressed, monkeypatch):
 
     monkeypatch.setattr(pd, "FP8_PROBABILITIES", True)
     monkeypatch.setattr(pd, "fp8_probabilities", spy)
-    _, rounded = _run(model_dir, "fp8", compression, dtype="bfloat16")
+    llm, rounded = _run(model_dir, "fp8", compression, **sizes)
     assert any(taken)  # the float8 P @ V kernel ran (captured in the decode graphs)
+    if compressed:
+        assert llm.engine.stats.num_compressions > 0
     worst, _, agreement = compare_to_unquantized(widened, rounded, near_ties=False)
     assert worst < 0.3 and agreement > 0.05
 

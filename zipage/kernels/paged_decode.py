@@ -53,12 +53,15 @@ DECODE_FILL_PROGRAMS_PER_SM = 4
 # (``_decode_fp8_probs_kernel``: the probabilities rounded to e4m3, the values as stored) instead of
 # widening the values to bf16. Off by default: compiled for sm_90 its loop takes 856 instructions a
 # 128-token tile against 1,174 (Hopper's float8 warpgroup MMA, the values copied straight to shared
-# memory) but 180 registers a thread against 122, it is not yet timed on a GPU, and the rounding adds
-# about 1-2% relative error to the attention output (the float8 cache itself about 4-6%; docs/fp8.md).
+# memory) but 180 registers a thread against 122; on an H200, capped at 128 registers, the kernel
+# alone ran 0-8% faster from 64 requests on, but whole decode steps ran 2-3% slower and reasoning-8k
+# 0.8% slower, and the rounding adds about 1-2% relative error to the attention output (the float8
+# cache itself about 4-6%; docs/fp8.md).
 FP8_PROBABILITIES = False
 # Registers a thread of that kernel may hold (Triton's ``maxnreg``; None: as the compiler needs). At 180
 # two programs fit an SM; 168 (three) spills 10 instructions' worth, 128 (four, as the widening kernel)
-# 23, compiled for sm_90. Untimed: a knob for the GPU to decide (scripts/decode_tile_sweep.py).
+# 23, compiled for sm_90. On an H200, from 16 requests on, uncapped ran 13-26% slower than 128
+# (scripts/decode_tile_sweep.py).
 FP8_PROBS_MAX_REGISTERS = None
 
 _LOG2_E = 1.4426950408889634
