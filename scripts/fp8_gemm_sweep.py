@@ -220,6 +220,8 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=270.0, help="the whole run's time bound")
     parser.add_argument("--jobs", type=int, default=0, help="compile processes (default: CPUs, at most 16)")
     parser.add_argument("--max-candidates", type=int, default=0, help="per (layer, M, variant); 0: all")
+    parser.add_argument("--match", default="", help="only the candidates whose config contains this "
+                        "(e.g. 'tma'; the baselines and the defaults always run)")
     args = parser.parse_args()
     t0 = time.perf_counter()
 
@@ -250,7 +252,7 @@ def main() -> int:
         n, k = SHAPES[layer]
         for m in batches:
             for variant in variants:
-                configs = F.candidates(m, n, k, sms, variant)
+                configs = [c for c in F.candidates(m, n, k, sms, variant) if args.match in c.short()]
                 if args.max_candidates:
                     configs = configs[:args.max_candidates]
                 default = F.choose_config(m, n, k, sms, variant)
@@ -380,6 +382,7 @@ def main() -> int:
             n, k = SHAPES[layer]
             args_text = ", ".join(map(str, (c.block_m, c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages)))
             args_text += ", swap_ab=True" if c.swap_ab else ""
+            args_text += ", tma=True" if c.tma else ""
             f.write(f'    ("{variant}", {F.m_bucket(m)}, {n}, {k}): W8A16Config({args_text}),'
                     f"  # {layer}: {100 * r['of_copy']:.0f}%\n")
         f.write("}\n")
@@ -389,8 +392,7 @@ def main() -> int:
 
 def compile_key(variant, config) -> str:
     """What makes a distinct binary (not the split: a run-time argument)."""
-    return (f"{variant} {'swap ' if config.swap_ab else ''}m{config.block_m} n{config.block_n} "
-            f"k{config.block_k} w{config.num_warps} st{config.num_stages}")
+    return f"{variant} {config.short().replace(f' s{config.split_k} ', ' ')}"
 
 
 if __name__ == "__main__":

@@ -2,13 +2,15 @@
 # steps with fp8 weights and KV (the quantizers fused into the norms and the SwiGLU, and not),
 # then reasoning-8k with fp8 weights and KV, Zipage and full KV. PART picks one (default all).
 #
-#   bash scripts/gpu_fp8.sh [tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k]
+#   bash scripts/gpu_fp8.sh [tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma]
 #
 # Not part of all: probs, decode attention and whole decode steps with P @ V on float8 matrix units
 # (paged_decode.FP8_PROBABILITIES) against without; probs-quality, the synthetic tasks' accuracy with it
 # (200 problems a task, fp8 weights and KV, against a bf16 run of the same problems); probs8k, the
 # Zipage reasoning-8k run with it. PROBS_MAX_REGISTERS (default 128, the fastest cap in the
-# attention sweep) caps that kernel's registers in those parts.
+# attention sweep) caps that kernel's registers in those parts. gemm-tma: the W8A8 GEMM's candidate
+# configs whose operands TMA loads, timed per Qwen3-8B layer at 64-256 tokens beside the engine's
+# configs (scripts/fp8_gemm_sweep.py --match tma), after their CUDA test.
 #
 # Each part prints its table; RESULTS (default out/fp8) gets the JSON files.
 set -euo pipefail
@@ -16,8 +18,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 part=${1:-all}
 RESULTS=${RESULTS:-out/fp8}
-case "$part" in tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k) ;;
-  *) echo "PART must be tests, attention, decode, zipage8k, full8k, all, probs, probs-quality or probs8k," \
+case "$part" in tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma) ;;
+  *) echo "PART must be tests, attention, decode, zipage8k, full8k, all, probs, probs-quality, probs8k or gemm-tma," \
           "got '$part'" >&2
      exit 2 ;; esac
 source scripts/gpu_common.sh
@@ -58,6 +60,13 @@ if [ "$part" = probs ]; then
 from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-8b --batch 1,64,256 \
       --modes graphs --steps 32 $FP8 --out "$RESULTS/decode-probs-$probs.json" 2>&1 | grep -v "it/s\]" | tail -4
   done
+fi
+if [ "$part" = gemm-tma ]; then
+  stamp "the W8A8 kernel with TMA loads: CUDA test"
+  ZIPAGE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q tests/test_fp8_weights.py -k "tma" 2>&1 | tail -3
+  stamp "the W8A8 GEMM per layer, 64-256 tokens: TMA candidates against the engine's configs"
+  python3 scripts/fp8_gemm_sweep.py --variants w8a8 --batches 64,128,256 --match tma --budget-s 240 \
+    --out "$RESULTS/gemm-tma"
 fi
 if [ "$part" = probs-quality ]; then
   for task in tracing:checkpoints/tracing-14m ledger:checkpoints/ledger-14m; do

@@ -169,6 +169,72 @@ def test_w8a8_kernel_matches_twin(case):
     assert_close(out, _reference(x, weight, scale, bias), 0.06)  # the activations' rounding: ~2-4%
 
 
+TMA_CASES = [
+    (5, 70, 208, dict(block_m=16, block_n=32, block_k=64, split_k=3)),  # ragged M, N and K; 3 splits
+    (1, 64, 384, dict(block_m=16, block_n=64, block_k=128, split_k=1)),  # even, one split
+    (20, 48, 320, dict(block_m=16, block_n=16, block_k=64, split_k=2)),  # two M tiles
+    (40, 96, 512, dict(block_m=64, block_n=64, block_k=256, split_k=2, num_stages=3)),  # K tiles of 256
+]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: "x".join(map(str, c[:3])))
+def test_w8a8_tma_kernel_matches_twin(case, monkeypatch):
+    """The W8A8 kernel whose operands TMA loads (rows, columns and K past the edges arrive as
+    zeros) gives the pointer kernel's products: equal to the exact product of the quantized
+    operands up to float32 summation order; every output element is written."""
+    require_triton()
+    from zipage.kernels import fp8_linear
+    from zipage.kernels.fp8_linear import W8A16Config, quantize_rows_fp8, w8a8_linear_quantized
+
+    _needs_kernel_device()
+    if fp8_linear.TensorDescriptor is None:
+        pytest.skip("this Triton has no tensor descriptors")
+    m, n, k, fields = case
+    x, weight, scale, bias = _kernel_problem(m, n, k, torch.float16, bias=m % 2 == 1)
+    xq, x_scale = quantize_rows_fp8(x)
+    config = W8A16Config(**fields, swap_ab=True, tma=True)
+    assert fp8_linear.tma_ready(xq, weight, config)
+    launched = []
+    kernel = fp8_linear._fp8_dot_tma_kernel
+    monkeypatch.setattr(fp8_linear, "_fp8_dot_tma_kernel", _Spy(kernel, launched))
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device=KERNEL_DEVICE)
+    assert w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.float16, config, out=out) is out
+    assert launched  # the TMA kernel ran, not the pointer kernel with the same tiles
+    assert_close(out, _reference(xq, weight, scale, bias, x_scale), 2e-3)
+    pointer = w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.float16,
+                                    W8A16Config(**fields, swap_ab=True))
+    assert_close(out, pointer.double(), 2e-3)
+
+
+def test_tma_ready_refuses_what_tma_cannot_load():
+    from zipage.kernels import fp8_linear
+    from zipage.kernels.fp8_linear import W8A16Config
+
+    if fp8_linear.TensorDescriptor is None:
+        pytest.skip("this Triton has no tensor descriptors")
+    xq = torch.zeros(8, 256, dtype=torch.float8_e4m3fn)
+    weight = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
+    config = W8A16Config(16, 64, 128, 1, swap_ab=True, tma=True)
+    assert fp8_linear.tma_ready(xq, weight, config)
+    assert not fp8_linear.tma_ready(xq.half(), weight, config)  # W8A16: the activations are not float8
+    assert not fp8_linear.tma_ready(xq, weight, W8A16Config(16, 64, 128, 1, tma=True))  # not swapped
+    assert not fp8_linear.tma_ready(xq, weight, W8A16Config(16, 64, 512, 1, swap_ab=True, tma=True))  # box
+    assert not fp8_linear.tma_ready(torch.zeros(8, 264, dtype=torch.float8_e4m3fn)[:, :256], weight, config)
+    assert not fp8_linear.tma_ready(torch.zeros(8 * 256 + 1, dtype=torch.float8_e4m3fn)[1:].view(8, 256),
+                                    weight, config)  # a base off 16 bytes
+
+
+class _Spy:
+    """Stands in for a Triton kernel: records each launch, then launches the kernel."""
+
+    def __init__(self, kernel, launched):
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(grid)
+        return self.kernel[grid]
+
+
 def test_quantize_rows_fp8_matches_twin():
     """The kernel's rounding to e4m3 (ties to even, done in float32 before the cast) equals
     torch's: on random rows of very different magnitudes, a row of zeros, and on every e4m3
@@ -289,6 +355,11 @@ def test_configs_are_functions_of_the_shapes():
                                                                           >= config.split_k)
                 found = fp8_linear.candidates(m, n, k, 132, variant)
                 assert found and all(c.block_m >= min(16, m) and c.split_k >= 1 for c in found)
+                assert len(set(found)) == len(found)
+                tma = [c for c in found if c.tma]
+                # TMA tiles only for W8A8 with the weight as the left operand, in boxes TMA can copy
+                assert bool(tma) == (variant == "w8a8")
+                assert all(c.swap_ab and max(c.block_m, c.block_n, c.block_k) <= 256 for c in tma)
     for (variant, bucket, n, k), config in fp8_linear.TUNED.items():
         assert variant in ("w8a16", "w8a8") and bucket == fp8_linear.m_bucket(bucket)
         assert fp8_linear.choose_config(bucket, n, k, fp8_linear.TUNED_SMS, variant) == config
@@ -568,6 +639,40 @@ def test_cuda_fp8_kernels_bf16(m, nk, variant):
     ref = (x.double() @ weight.double().t()) * scale.double() + bias.double()
     assert_close(out, ref, 1e-2 if variant == "w8a16" else 5e-2)
     assert_close(out, twin(x, weight, scale, bias).double(), 1e-2)
+
+
+@on_cuda
+@pytest.mark.parametrize("m", [1, 100, 256])
+def test_cuda_w8a8_tma_kernel(m):
+    """The W8A8 kernel whose operands TMA loads, on Qwen3-8B's down projection and a ragged
+    shape, each with one and several K splits, against the pointer kernel with the same tiles;
+    and replayed from a CUDA graph (its descriptors captured by value): the same output."""
+    from zipage.kernels import fp8_linear
+    from zipage.kernels.fp8_linear import W8A16Config, quantize_rows_fp8, w8a8_linear_quantized
+
+    _needs_fp8_gpu()
+    if torch.cuda.get_device_capability()[0] < 9 or fp8_linear.TensorDescriptor is None:
+        pytest.skip("TMA needs compute capability 9.0 and a Triton with tensor descriptors")
+    for n, k in [(4096, 12288), (200, 144)]:
+        x = _random(m, k, seed=m, dtype=torch.bfloat16).cuda()
+        weight, scale = quant.quantize_rows(_random(n, k, seed=n).cuda() * 0.02)
+        bias = _random(n, seed=k, dtype=torch.bfloat16).cuda()
+        xq, x_scale = quantize_rows_fp8(x)
+        for fields in [dict(block_m=min(128, max(16, m)), block_n=64, block_k=128, split_k=1, num_stages=4),
+                       dict(block_m=64, block_n=64, block_k=256, split_k=4, num_stages=3)]:
+            config = W8A16Config(**fields, swap_ab=True, tma=True)
+            assert fp8_linear.tma_ready(xq, weight, config)
+            out = w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.bfloat16, config)
+            pointer = w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.bfloat16,
+                                            W8A16Config(**fields, swap_ab=True))
+            assert_close(out, pointer.double(), 1e-2)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.bfloat16, config)
+            for _ in range(2):
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(replayed, out)
 
 
 @on_cuda

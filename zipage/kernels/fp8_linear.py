@@ -36,6 +36,13 @@ A decode-sized GEMM must stream the weight at the memory's speed, so:
   that runs at a quarter of the ALU rate: about one per element, which alone caps a kernel
   near 60% of an H200's copy bandwidth. ``common.fp8_to_bf16`` builds the bf16 bits with
   integer ops on four bytes at once (three per two elements) and one bf16x2 multiply.
+- TMA (``W8A16Config.tma``, W8A8 with ``swap_ab`` only; ``_fp8_dot_tma_kernel``): the tensor
+  memory accelerator copies each weight and activation tile into shared memory from a
+  descriptor and two coordinates, with no per-thread addresses, vector loads or masks (rows
+  and columns past the edges arrive as zeros), and the matrix units read both from there.
+  Needs Hopper, rows 16-byte aligned and tiles of at most 256 rows and bytes (``tma_ready``;
+  elsewhere the pointer kernel runs the same tiles). It is a candidate of the sweep, not yet
+  in ``TUNED``.
 - Split-K: with few output tiles (small N, or M = 1 with wide tiles) the K range is split so
   that enough programs stream the weight at once. Each split writes a float32 partial; the
   last split of a tile to finish (an atomic counter per tile) sums the partials in split
@@ -57,13 +64,17 @@ from dataclasses import dataclass
 
 import torch
 
-from zipage.kernels.common import dot_precision, fast_fp8_widening, round_to_e4m3, widen_fp8
+from zipage.kernels.common import dot_precision, fast_fp8_widening, is_fp8, round_to_e4m3, widen_fp8
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton for this platform: only the PyTorch twins are usable
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without tensor descriptors: the pointer kernel runs every config
+    TensorDescriptor = None
 
 FP8_MAX = 448.0
 ACT_AMAX_FLOOR = 1e-12  # a row of zeros gets this amax (its scale is then tiny, its values 0)
@@ -77,6 +88,7 @@ PROGRAMS_PER_SM = 2
 MIN_K_ITERS = 4
 WORKSPACE_SHARE = 0.25
 TILE_COUNTERS = 1 << 14  # output tiles that can split K in one launch (counters per device)
+TMA_MAX_BOX = 256  # elements of a TMA copy's box along each dimension
 
 
 @dataclass(frozen=True)
@@ -90,10 +102,11 @@ class W8A16Config:
     num_warps: int = 4
     num_stages: int = 4
     swap_ab: bool = False
+    tma: bool = False  # W8A8, swap_ab: tiles loaded by the tensor memory accelerator (_fp8_dot_tma_kernel)
 
     def short(self) -> str:
-        return (f"{'swap ' if self.swap_ab else ''}m{self.block_m} n{self.block_n} k{self.block_k} "
-                f"s{self.split_k} w{self.num_warps} st{self.num_stages}")
+        return (f"{'tma ' if self.tma else ''}{'swap ' if self.swap_ab else ''}m{self.block_m} n{self.block_n} "
+                f"k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}")
 
 
 def _next_pow2(n: int) -> int:
@@ -233,15 +246,22 @@ def candidates(m: int, n: int, k: int, num_sms: int, variant: str = "w8a16") -> 
             if w8a8:
                 for bn, bk, stages in [(64, 128, 3), (64, 128, 4), (128, 128, 3)]:
                     tiles.append((bm, bn, bk, 4 if bm * bn <= 64 * 128 else 8, stages, True))
+    tma_tiles = []
+    if w8a8:
+        # the swapped tiles again with both operands loaded by TMA (bulk copies, no per-thread
+        # addresses), and K tiles of 256 bytes (TMA's longest box) for each M tile
+        tma_tiles = [t for t in tiles if t[5] and t[2] <= TMA_MAX_BOX]
+        tma_tiles += [(bm, 64, 256, 4 if bm <= 128 else 8, 3, True) for bm in sorted({t[0] for t in tma_tiles})]
     configs = []
-    for bm, bn, bk, warps, stages, swap in tiles:
+    tagged = [(t, False) for t in tiles] + [(t, True) for t in dict.fromkeys(tma_tiles)]
+    for (bm, bn, bk, warps, stages, swap), tma in tagged:
         count = -(-m // bm) * -(-n // bn)
         base = split_for(count, k, bk, m, num_sms)
         k_blocks = -(-k // bk)
         for split in sorted({1, base, 2 * base, max(1, base // 2)}):
             if split > 1 and (k_blocks // split < 2 or count * split > 16 * num_sms):
                 continue
-            configs.append(W8A16Config(bm, bn, bk, split, warps, stages, swap))
+            configs.append(W8A16Config(bm, bn, bk, split, warps, stages, swap, tma))
     return configs
 
 
@@ -354,6 +374,33 @@ if triton is not None:
             _epilogue(acc, rm[:, None], rn[None, :], pid_k, tile, M, N, stride_om, SPLIT_K,
                       scale_ptr, xscale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, HAS_BIAS, A8)
 
+    @triton.jit(do_not_specialize=["M", "blocks_per_split", "SPLIT_K"])
+    def _fp8_dot_tma_kernel(
+        w_desc, x_desc, xscale_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
+        M, N, K, stride_om, blocks_per_split, SPLIT_K,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):
+        """W8A8 with the weight as the left operand (``swap_ab``), both operands loaded by the
+        tensor memory accelerator: program (m tile, n tile, k split) computes ``acc[BLOCK_N,
+        BLOCK_M] = W[n tile, k range] @ xq[m tile, k range]^T``. A TMA copy fills a whole tile
+        of shared memory from one descriptor and two coordinates (no per-thread addresses, no
+        masks: rows past M or N and columns past K arrive as zeros)."""
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        k_start = pid_k * blocks_per_split * BLOCK_K
+        k_end = tl.minimum(k_start + blocks_per_split * BLOCK_K, K)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            w = w_desc.load([off_n, k0])
+            x = x_desc.load([off_m, k0])
+            acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.float32)
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        tile = pid_m * tl.num_programs(1) + pid_n
+        _epilogue(acc, rm[None, :], rn[:, None], pid_k, tile, M, N, stride_om, SPLIT_K,
+                  scale_ptr, xscale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, HAS_BIAS, True)
+
     @triton.jit
     def quantize_row_block(y, scale):
         """float32 ``y`` / ``scale`` clamped to e4m3's range and rounded to it (still float32): the
@@ -414,6 +461,19 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, name: str
                          f"{weight.stride()}), scale {tuple(scale.shape)} do not fit")
 
 
+def tma_ready(x: torch.Tensor, weight: torch.Tensor, config: W8A16Config) -> bool:
+    """Whether a TMA launch can take these operands with this tiling (else the pointer kernel
+    runs the same config): float8 activations (W8A8) and the weight as the left operand, a
+    Triton with tensor descriptors, on a GPU with TMA (Hopper or newer; the interpreter
+    emulates it), rows 16-byte aligned, and boxes of at most TMA_MAX_BOX rows and bytes."""
+    if TensorDescriptor is None or not config.swap_ab or not is_fp8(x.dtype):
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (x, weight))
+    return aligned and max(config.block_m, config.block_n, config.block_k) <= TMA_MAX_BOX
+
+
 def _launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor,
             bias: torch.Tensor | None, config: W8A16Config, out_dtype: torch.dtype,
             out: torch.Tensor | None) -> torch.Tensor:
@@ -439,8 +499,16 @@ def _launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
         part, counters = torch.empty(split, m, n, dtype=torch.float32, device=x.device), _tile_counters(x.device)
     else:  # not read; float32 and int32 views, so that both cases share one compiled kernel
         part, counters = scale, scale.view(torch.int32)
-    fast = fast_fp8_widening(x.dtype, x.device)
     grid = (m_tiles, n_tiles, split)
+    if config.tma and tma_ready(x, weight, config):
+        w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
+        x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+        _fp8_dot_tma_kernel[grid](
+            w_desc, x_desc, x_scale, scale, bias if bias is not None else scale, out, part, counters,
+            m, n, k, out.stride(0), blocks_per_split, split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            HAS_BIAS=bias is not None, NUM_STAGES=config.num_stages, num_warps=config.num_warps)
+        return out
+    fast = fast_fp8_widening(x.dtype, x.device)
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
                   EVEN_N=n % bn == 0, HAS_BIAS=bias is not None, num_warps=config.num_warps,
                   num_stages=config.num_stages)
