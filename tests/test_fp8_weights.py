@@ -174,6 +174,13 @@ TMA_CASES = [
     (1, 64, 384, dict(block_m=16, block_n=64, block_k=128, split_k=1)),  # even, one split
     (20, 48, 320, dict(block_m=16, block_n=16, block_k=64, split_k=2)),  # two M tiles
     (40, 96, 512, dict(block_m=64, block_n=64, block_k=256, split_k=2, num_stages=3)),  # K tiles of 256
+    # stream-K over 4 "SMs" under the interpreter: 4 or 8 programs share the tiles' K steps
+    (5, 70, 208, dict(block_m=16, block_n=32, block_k=64, split_k=1, stream_k=1)),  # 3 tiles x 4 steps
+    (20, 48, 320, dict(block_m=16, block_n=16, block_k=64, split_k=1, stream_k=2)),  # 6 tiles x 5 steps
+    (3, 32, 128, dict(block_m=16, block_n=32, block_k=64, split_k=1, stream_k=2)),  # 2 steps: 2 programs
+    (3, 64, 832, dict(block_m=16, block_n=32, block_k=64, split_k=1, stream_k=2)),  # 2 tiles x 13 steps, 8 programs
+    (9, 96, 128, dict(block_m=16, block_n=32, block_k=64, split_k=1, stream_k=1)),  # 3 tiles x 2 steps, 4 programs
+    (40, 256, 1024, dict(block_m=64, block_n=64, block_k=128, split_k=1, stream_k=1)),  # 4 tiles, 4 programs
 ]
 
 
@@ -195,15 +202,18 @@ def test_w8a8_tma_kernel_matches_twin(case, monkeypatch):
     config = W8A16Config(**fields, swap_ab=True, tma=True)
     assert fp8_linear.tma_ready(xq, weight, config)
     launched = []
-    kernel = fp8_linear._fp8_dot_tma_kernel
-    monkeypatch.setattr(fp8_linear, "_fp8_dot_tma_kernel", _Spy(kernel, launched))
+    name = "_fp8_dot_stream_k_kernel" if config.stream_k else "_fp8_dot_tma_kernel"
+    monkeypatch.setattr(fp8_linear, name, _Spy(getattr(fp8_linear, name), launched))
     out = torch.full((m, n), float("nan"), dtype=torch.float16, device=KERNEL_DEVICE)
     assert w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.float16, config, out=out) is out
     assert launched  # the TMA kernel ran, not the pointer kernel with the same tiles
     assert_close(out, _reference(xq, weight, scale, bias, x_scale), 2e-3)
     pointer = w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.float16,
-                                    W8A16Config(**fields, swap_ab=True))
+                                    W8A16Config(**{**fields, "stream_k": 0}, swap_ab=True))
     assert_close(out, pointer.double(), 2e-3)
+    if config.stream_k:  # deterministic, and every cut tile's counter is back to zero
+        again = w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.float16, config)
+        assert torch.equal(again, out) and not fp8_linear._tile_counters(out.device).any()
 
 
 def test_tma_ready_refuses_what_tma_cannot_load():
@@ -644,9 +654,10 @@ def test_cuda_fp8_kernels_bf16(m, nk, variant):
 @on_cuda
 @pytest.mark.parametrize("m", [1, 100, 256])
 def test_cuda_w8a8_tma_kernel(m):
-    """The W8A8 kernel whose operands TMA loads, on Qwen3-8B's down projection and a ragged
-    shape, each with one and several K splits, against the pointer kernel with the same tiles;
-    and replayed from a CUDA graph (its descriptors captured by value): the same output."""
+    """The W8A8 kernels whose operands TMA loads, on Qwen3-8B's down projection and a ragged
+    shape, with one and several K splits and stream-K over one and two programs an SM, against
+    the pointer kernel with the same tiles; and replayed from a CUDA graph (the descriptors
+    captured by value, the tile counters reset by every launch): the same output."""
     from zipage.kernels import fp8_linear
     from zipage.kernels.fp8_linear import W8A16Config, quantize_rows_fp8, w8a8_linear_quantized
 
@@ -659,12 +670,14 @@ def test_cuda_w8a8_tma_kernel(m):
         bias = _random(n, seed=k, dtype=torch.bfloat16).cuda()
         xq, x_scale = quantize_rows_fp8(x)
         for fields in [dict(block_m=min(128, max(16, m)), block_n=64, block_k=128, split_k=1, num_stages=4),
-                       dict(block_m=64, block_n=64, block_k=256, split_k=4, num_stages=3)]:
+                       dict(block_m=64, block_n=64, block_k=256, split_k=4, num_stages=3),
+                       dict(block_m=min(128, max(16, m)), block_n=64, block_k=128, split_k=1, stream_k=1),
+                       dict(block_m=64, block_n=64, block_k=128, split_k=1, num_stages=3, stream_k=2)]:
             config = W8A16Config(**fields, swap_ab=True, tma=True)
             assert fp8_linear.tma_ready(xq, weight, config)
             out = w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.bfloat16, config)
             pointer = w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.bfloat16,
-                                            W8A16Config(**fields, swap_ab=True))
+                                            W8A16Config(**{**fields, "stream_k": 0}, swap_ab=True))
             assert_close(out, pointer.double(), 1e-2)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
