@@ -5,7 +5,7 @@
 #   bash scripts/gpu_fp8.sh [tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma]
 #
 # Not part of all: probs, decode attention and whole decode steps with P @ V on float8 matrix units
-# (paged_decode.FP8_PROBABILITIES) against without; probs-quality, the synthetic tasks' accuracy with it
+# (paged_decode.FP8_PROBABILITIES) against without, each with where 4 steps' time goes by kernel; probs-quality, the synthetic tasks' accuracy with it
 # (200 problems a task, fp8 weights and KV, against a bf16 run of the same problems); probs8k, the
 # Zipage reasoning-8k run with it. PROBS_MAX_REGISTERS (default 128, the fastest cap in the
 # attention sweep) caps that kernel's registers in those parts. gemm-tma: the W8A8 GEMM's candidate
@@ -58,7 +58,8 @@ if [ "$part" = probs ]; then
     stamp "whole decode steps, fp8 weights and KV, P @ V on float8 matrix units: $probs"
     python3 -c "import sys; $(probs_on $probs)
 from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-8b --batch 1,64,256 \
-      --modes graphs --steps 32 $FP8 --out "$RESULTS/decode-probs-$probs.json" 2>&1 | grep -v "it/s\]" | tail -4
+      --modes graphs --steps 32 --profile-steps 4 $FP8 --out "$RESULTS/decode-probs-$probs.json" 2>&1 \
+      | grep -v "it/s\]" | tail -40
   done
 fi
 if [ "$part" = gemm-tma ]; then
