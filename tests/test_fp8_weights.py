@@ -216,6 +216,43 @@ def test_w8a8_tma_kernel_matches_twin(case, monkeypatch):
         assert torch.equal(again, out) and not fp8_linear._tile_counters(out.device).any()
 
 
+try:
+    import triton
+    import triton.language as tl
+
+    from zipage.kernels.fp8_linear import _stream_owner, _stream_start
+
+    @triton.jit
+    def _stream_k_probe(starts_ptr, owners_ptr, total, programs, BLOCK: tl.constexpr):
+        """Each program's first step and each step's owner, by the stream-K kernel's helpers."""
+        i = tl.arange(0, BLOCK)
+        tl.store(starts_ptr + i, _stream_start(i, total, programs), mask=i <= programs)
+        tl.store(owners_ptr + i, _stream_owner(i, total, programs), mask=i < total)
+except ImportError:  # no Triton here: the test below is skipped
+    _stream_k_probe = None
+
+
+def test_stream_k_ranges_cover_every_step_once():
+    """Stream-K's arithmetic, through the kernel's own jit helpers: the programs' ranges of K
+    steps tile [0, total) in order, each non-empty when programs <= total (the launcher's
+    bound), and the owner of each step is the program whose range holds it."""
+    require_triton()
+    _needs_kernel_device()
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        total = int(torch.randint(1, 200, (), generator=rng))
+        programs = int(torch.randint(1, total + 1, (), generator=rng))
+        starts = torch.full((256,), -1, dtype=torch.int64, device=KERNEL_DEVICE)
+        owners = torch.full((256,), -1, dtype=torch.int64, device=KERNEL_DEVICE)
+        _stream_k_probe[(1,)](starts, owners, total, programs, BLOCK=256)
+        starts, owners = starts.cpu().tolist(), owners.cpu().tolist()
+        assert starts[0] == 0 and starts[programs] == total
+        assert all(starts[p] < starts[p + 1] for p in range(programs))  # every range non-empty
+        for step in range(total):
+            owner = owners[step]
+            assert 0 <= owner < programs and starts[owner] <= step < starts[owner + 1], (total, programs, step)
+
+
 def test_tma_ready_refuses_what_tma_cannot_load():
     from zipage.kernels import fp8_linear
     from zipage.kernels.fp8_linear import W8A16Config
