@@ -60,7 +60,7 @@ DECODE_FILL_PROGRAMS_PER_SM = 4
 FP8_PROBABILITIES = False
 # Registers a thread of that kernel may hold (Triton's ``maxnreg``; None: as the compiler needs). At 180
 # two programs fit an SM; 168 (three) spills 10 instructions' worth, 128 (four, as the widening kernel)
-# 23, compiled for sm_90. On an H200, from 16 requests on, uncapped ran 13-26% slower than 128
+# 23, compiled for sm_90. On an H200, from 16 requests on, uncapped ran 13-28% slower than 128
 # (scripts/decode_tile_sweep.py).
 FP8_PROBS_MAX_REGISTERS = None
 
