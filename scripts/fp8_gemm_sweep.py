@@ -383,7 +383,6 @@ def main() -> int:
             args_text = ", ".join(map(str, (c.block_m, c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages)))
             args_text += ", swap_ab=True" if c.swap_ab else ""
             args_text += ", tma=True" if c.tma else ""
-            args_text += f", stream_k={c.stream_k}" if c.stream_k else ""
             f.write(f'    ("{variant}", {F.m_bucket(m)}, {n}, {k}): W8A16Config({args_text}),'
                     f"  # {layer}: {100 * r['of_copy']:.0f}%\n")
         f.write("}\n")

@@ -64,7 +64,9 @@ from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape 
 fi
 if [ "$part" = gemm-tma ]; then
   stamp "the W8A8 kernel with TMA loads: CUDA test"
-  ZIPAGE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q tests/test_fp8_weights.py -k "tma" 2>&1 | tail -3
+  # a failure is reported and the sweep still runs: the sweep checks each config's output itself
+  (ZIPAGE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q tests/test_fp8_weights.py \
+    -k "cuda_w8a8_tma" 2>&1 || true) | tail -15
   stamp "the W8A8 GEMM per layer, 64-256 tokens: TMA candidates against the engine's configs"
   python3 scripts/fp8_gemm_sweep.py --variants w8a8 --batches 64,128,256 --match tma --budget-s 240 \
     --out "$RESULTS/gemm-tma"

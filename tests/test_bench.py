@@ -324,7 +324,9 @@ def test_profile_breakdown_groups_kernels_and_idle_time():
     assert kind_of("_add_rms_norm_kernel") == kind_of("_norm_rope_kernel") == "norm and rope"
     assert kind_of("_redundancy_kernel") == "compression" and kind_of("mystery") == "other"
     assert kind_of("_choose_kept_kernel") == kind_of("_compact_single_pass_kernel") == "compression"
-    assert kind_of("_merge_parts_kernel") == "attention"
+    assert kind_of("_merge_parts_kernel") == kind_of("_decode_fp8_probs_kernel") == "attention"
+    assert kind_of("_fp8_dot_kernel") == kind_of("_fp8_dot_tma_kernel") == "matmul"
+    assert kind_of("_silu_mul_quantize_kernel") == kind_of("_quantize_rows_kernel") == "fp8 quantize"
     # two steps of 10 ms: per step a 4 ms product and a 1 ms kernel overlapping it by 0.5 ms, 2 ms of attention
     kernels = []
     for t0 in (0.0, 10_000.0):

@@ -174,13 +174,6 @@ TMA_CASES = [
     (1, 64, 384, dict(block_m=16, block_n=64, block_k=128, split_k=1)),  # even, one split
     (20, 48, 320, dict(block_m=16, block_n=16, block_k=64, split_k=2)),  # two M tiles
     (40, 96, 512, dict(block_m=64, block_n=64, block_k=256, split_k=2, num_stages=3)),  # K tiles of 256
-    # stream-K over 4 "SMs" under the interpreter: 4 or 8 programs share the tiles' K steps
-    (5, 70, 208, dict(block_m=16, block_n=32, block_k=64, split_k=1, stream_k=1)),  # 3 tiles x 4 steps
-    (20, 48, 320, dict(block_m=16, block_n=16, block_k=64, split_k=1, stream_k=2)),  # 6 tiles x 5 steps
-    (3, 32, 128, dict(block_m=16, block_n=32, block_k=64, split_k=1, stream_k=2)),  # 2 steps: 2 programs
-    (3, 64, 832, dict(block_m=16, block_n=32, block_k=64, split_k=1, stream_k=2)),  # 2 tiles x 13 steps, 8 programs
-    (9, 96, 128, dict(block_m=16, block_n=32, block_k=64, split_k=1, stream_k=1)),  # 3 tiles x 2 steps, 4 programs
-    (40, 256, 1024, dict(block_m=64, block_n=64, block_k=128, split_k=1, stream_k=1)),  # 4 tiles, 4 programs
 ]
 
 
@@ -202,55 +195,14 @@ def test_w8a8_tma_kernel_matches_twin(case, monkeypatch):
     config = W8A16Config(**fields, swap_ab=True, tma=True)
     assert fp8_linear.tma_ready(xq, weight, config)
     launched = []
-    name = "_fp8_dot_stream_k_kernel" if config.stream_k else "_fp8_dot_tma_kernel"
-    monkeypatch.setattr(fp8_linear, name, _Spy(getattr(fp8_linear, name), launched))
+    monkeypatch.setattr(fp8_linear, "_fp8_dot_tma_kernel", _Spy(fp8_linear._fp8_dot_tma_kernel, launched))
     out = torch.full((m, n), float("nan"), dtype=torch.float16, device=KERNEL_DEVICE)
     assert w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.float16, config, out=out) is out
     assert launched  # the TMA kernel ran, not the pointer kernel with the same tiles
     assert_close(out, _reference(xq, weight, scale, bias, x_scale), 2e-3)
     pointer = w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.float16,
-                                    W8A16Config(**{**fields, "stream_k": 0}, swap_ab=True))
+                                    W8A16Config(**fields, swap_ab=True))
     assert_close(out, pointer.double(), 2e-3)
-    if config.stream_k:  # deterministic, and every cut tile's counter is back to zero
-        again = w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.float16, config)
-        assert torch.equal(again, out) and not fp8_linear._tile_counters(out.device).any()
-
-
-try:
-    import triton
-    import triton.language as tl
-
-    from zipage.kernels.fp8_linear import _stream_owner, _stream_start
-
-    @triton.jit
-    def _stream_k_probe(starts_ptr, owners_ptr, total, programs, BLOCK: tl.constexpr):
-        """Each program's first step and each step's owner, by the stream-K kernel's helpers."""
-        i = tl.arange(0, BLOCK)
-        tl.store(starts_ptr + i, _stream_start(i, total, programs), mask=i <= programs)
-        tl.store(owners_ptr + i, _stream_owner(i, total, programs), mask=i < total)
-except ImportError:  # no Triton here: the test below is skipped
-    _stream_k_probe = None
-
-
-def test_stream_k_ranges_cover_every_step_once():
-    """Stream-K's arithmetic, through the kernel's own jit helpers: the programs' ranges of K
-    steps tile [0, total) in order, each non-empty when programs <= total (the launcher's
-    bound), and the owner of each step is the program whose range holds it."""
-    require_triton()
-    _needs_kernel_device()
-    rng = torch.Generator().manual_seed(0)
-    for _ in range(40):
-        total = int(torch.randint(1, 200, (), generator=rng))
-        programs = int(torch.randint(1, total + 1, (), generator=rng))
-        starts = torch.full((256,), -1, dtype=torch.int64, device=KERNEL_DEVICE)
-        owners = torch.full((256,), -1, dtype=torch.int64, device=KERNEL_DEVICE)
-        _stream_k_probe[(1,)](starts, owners, total, programs, BLOCK=256)
-        starts, owners = starts.cpu().tolist(), owners.cpu().tolist()
-        assert starts[0] == 0 and starts[programs] == total
-        assert all(starts[p] < starts[p + 1] for p in range(programs))  # every range non-empty
-        for step in range(total):
-            owner = owners[step]
-            assert 0 <= owner < programs and starts[owner] <= step < starts[owner + 1], (total, programs, step)
 
 
 def test_tma_ready_refuses_what_tma_cannot_load():
@@ -692,7 +644,7 @@ def test_cuda_fp8_kernels_bf16(m, nk, variant):
 @pytest.mark.parametrize("m", [1, 100, 256])
 def test_cuda_w8a8_tma_kernel(m):
     """The W8A8 kernels whose operands TMA loads, on Qwen3-8B's down projection and a ragged
-    shape, with one and several K splits and stream-K over one and two programs an SM, against
+    shape, with one and several K splits, against
     the pointer kernel with the same tiles; and replayed from a CUDA graph (the descriptors
     captured by value, the tile counters reset by every launch): the same output."""
     from zipage.kernels import fp8_linear
@@ -701,20 +653,19 @@ def test_cuda_w8a8_tma_kernel(m):
     _needs_fp8_gpu()
     if torch.cuda.get_device_capability()[0] < 9 or fp8_linear.TensorDescriptor is None:
         pytest.skip("TMA needs compute capability 9.0 and a Triton with tensor descriptors")
+    block_m = min(128, max(16, 1 << (m - 1).bit_length()))  # tiles are powers of two
     for n, k in [(4096, 12288), (200, 144)]:
         x = _random(m, k, seed=m, dtype=torch.bfloat16).cuda()
         weight, scale = quant.quantize_rows(_random(n, k, seed=n).cuda() * 0.02)
         bias = _random(n, seed=k, dtype=torch.bfloat16).cuda()
         xq, x_scale = quantize_rows_fp8(x)
-        for fields in [dict(block_m=min(128, max(16, m)), block_n=64, block_k=128, split_k=1, num_stages=4),
-                       dict(block_m=64, block_n=64, block_k=256, split_k=4, num_stages=3),
-                       dict(block_m=min(128, max(16, m)), block_n=64, block_k=128, split_k=1, stream_k=1),
-                       dict(block_m=64, block_n=64, block_k=128, split_k=1, num_stages=3, stream_k=2)]:
+        for fields in [dict(block_m=block_m, block_n=64, block_k=128, split_k=1, num_stages=4),
+                       dict(block_m=64, block_n=64, block_k=256, split_k=4, num_stages=3)]:
             config = W8A16Config(**fields, swap_ab=True, tma=True)
             assert fp8_linear.tma_ready(xq, weight, config)
             out = w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.bfloat16, config)
             pointer = w8a8_linear_quantized(xq, x_scale, weight, scale, bias, torch.bfloat16,
-                                            W8A16Config(**{**fields, "stream_k": 0}, swap_ab=True))
+                                            W8A16Config(**fields, swap_ab=True))
             assert_close(out, pointer.double(), 1e-2)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

@@ -22,9 +22,10 @@ KINDS = [
     ("collective", r"nccl|all_reduce|allreduce|all_gather|allgather"),
     ("compression", r"window_lse|window_attention|redundancy|choose_kept|compact_single_pass|gather_kept|"
                     r"scatter_kept|topk"),
-    ("attention", r"decode_split|decode_merge|prefill_kernel|merge_parts|flash|attention|sdpa"),
+    ("attention", r"decode_split|decode_merge|decode_fp8_probs|prefill_kernel|merge_parts|flash|attention|sdpa"),
     ("kv store", r"store_kv"),
-    ("matmul", r"gemm|gemv|cutlass|cublas|nvjet|xmma|matmul|aten::mm$|aten::addmm|aten::bmm|aten::linear"),
+    ("matmul", r"gemm|gemv|cutlass|cublas|nvjet|xmma|matmul|fp8_dot|aten::mm$|aten::addmm|aten::bmm|aten::linear"),
+    ("fp8 quantize", r"quantize_rows|silu_mul_quantize"),  # kernels/fp8_linear.py, unfused activations
     ("norm and rope", r"add_rms_norm_kernel|norm_rope_kernel"),  # kernels/norm_rope.py
     ("fused elementwise", r"^triton_"),
     ("elementwise, unfused", r"elementwise|reduce_kernel|^aten::(to|mul|add|sub|div|pow|mean|rsqrt|silu|neg|exp|"

@@ -41,13 +41,9 @@ A decode-sized GEMM must stream the weight at the memory's speed, so:
   descriptor and two coordinates, with no per-thread addresses, vector loads or masks (rows
   and columns past the edges arrive as zeros), and the matrix units read both from there.
   Needs Hopper, rows 16-byte aligned and tiles of at most 256 rows and bytes (``tma_ready``;
-  elsewhere the pointer kernel runs the same tiles). It is a candidate of the sweep, not yet
-  in ``TUNED``.
-- Stream-K (``W8A16Config.stream_k``, with TMA; ``_fp8_dot_stream_k_kernel``): one or two
-  programs an SM, each taking an equal share of all output tiles' K steps, so that no wave of
-  programs runs partly empty (the Qwen3-8B layers have 64-384 tiles of 64 rows on 132 SMs). A
-  tile cut between programs is summed by the last of them to arrive, as with split K. Also a
-  sweep candidate only.
+  elsewhere the pointer kernel runs the same tiles). It is a candidate of the sweep, not in
+  ``TUNED``: on an H200 it beat the pointer kernel's best by 0-10% a Qwen3-8B layer, but not
+  the whole reasoning-8k run (docs/fp8.md).
 - Split-K: with few output tiles (small N, or M = 1 with wide tiles) the K range is split so
   that enough programs stream the weight at once. Each split writes a float32 partial; the
   last split of a tile to finish (an atomic counter per tile) sums the partials in split
@@ -108,11 +104,9 @@ class W8A16Config:
     num_stages: int = 4
     swap_ab: bool = False
     tma: bool = False  # W8A8, swap_ab: tiles loaded by the tensor memory accelerator (_fp8_dot_tma_kernel)
-    # with tma: stream-K over this many programs per SM (_fp8_dot_stream_k_kernel; split_k unused); 0: off
-    stream_k: int = 0
 
     def short(self) -> str:
-        return (f"{f'sk{self.stream_k} ' if self.stream_k else ''}{'tma ' if self.tma else ''}"
+        return (f"{'tma ' if self.tma else ''}"
                 f"{'swap ' if self.swap_ab else ''}m{self.block_m} n{self.block_n} "
                 f"k{self.block_k} s{self.split_k} w{self.num_warps} st{self.num_stages}")
 
@@ -270,8 +264,6 @@ def candidates(m: int, n: int, k: int, num_sms: int, variant: str = "w8a16") -> 
             if split > 1 and (k_blocks // split < 2 or count * split > 16 * num_sms):
                 continue
             configs.append(W8A16Config(bm, bn, bk, split, warps, stages, swap, tma))
-        if tma and bn == 64 and bm > 16:  # stream-K: one or two programs an SM share all tiles' K steps
-            configs += [W8A16Config(bm, bn, bk, 1, warps, stages, swap, tma, stream_k=per_sm) for per_sm in (1, 2)]
     return configs
 
 
@@ -412,72 +404,6 @@ if triton is not None:
                   scale_ptr, xscale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, HAS_BIAS, True)
 
     @triton.jit
-    def _stream_start(program, total, programs):
-        """The first K step (of all tiles' steps, tile-major) of a stream-K program."""
-        return tl.cast(program, tl.int64) * total // programs
-
-    @triton.jit
-    def _stream_owner(step, total, programs):
-        """The stream-K program whose range holds K step ``step``."""
-        return ((tl.cast(step, tl.int64) + 1) * programs + total - 1) // total - 1
-
-    @triton.jit(do_not_specialize=["M"])
-    def _fp8_dot_stream_k_kernel(
-        w_desc, x_desc, xscale_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
-        M, N, K, stride_om,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-        NUM_STAGES: tl.constexpr,
-    ):
-        """Stream-K W8A8 (TMA loads, the weight as the left operand): the K steps of all output
-        tiles, tile after tile, are cut into one equal range per program, so that every SM
-        streams the same number of weight bytes whatever the tile count (no partly empty last
-        wave). A program runs the tiles it covers whole to the output; a tile cut between
-        programs gets a float32 partial from each (slot 2p for program p's first range, 2p + 1
-        for its last), and the last of them to arrive (an atomic counter per tile) sums them in
-        program order (deterministic), finishes the tile and resets its counter."""
-        pid = tl.program_id(0)
-        programs = tl.num_programs(0)
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        steps = tl.cdiv(K, BLOCK_K)  # K steps a tile
-        total = tl.cdiv(M, BLOCK_M) * tiles_n * steps
-        first = _stream_start(pid, total, programs)
-        start = first
-        end = _stream_start(pid + 1, total, programs)
-        tile_offsets = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        while start < end:
-            tile = start // steps
-            k_first = (start - tile * steps).to(tl.int32)
-            k_last = tl.minimum(steps, k_first + (end - start).to(tl.int32))
-            off_m = ((tile // tiles_n) * BLOCK_M).to(tl.int32)
-            off_n = ((tile % tiles_n) * BLOCK_N).to(tl.int32)
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for k0 in tl.range(k_first * BLOCK_K, k_last * BLOCK_K, BLOCK_K, num_stages=NUM_STAGES):
-                w = w_desc.load([off_n, k0])
-                x = x_desc.load([off_m, k0])
-                acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.float32)
-            rm = (off_m + tl.arange(0, BLOCK_M))[None, :]
-            rn = (off_n + tl.arange(0, BLOCK_N))[:, None]
-            if k_first == 0 and k_last == steps:
-                _finish(acc, rm, rn, M, N, stride_om, scale_ptr, xscale_ptr, bias_ptr, out_ptr, HAS_BIAS, True)
-            else:
-                slot = 2 * pid + (start > first).to(tl.int32)
-                tl.store(part_ptr + slot.to(tl.int64) * (BLOCK_N * BLOCK_M) + tile_offsets, acc)
-                tl.debug_barrier()  # every thread's partial is written before the counter moves
-                owner_first = _stream_owner(tile * steps, total, programs)
-                owner_last = _stream_owner(tile * steps + steps - 1, total, programs)
-                arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-                if arrived == owner_last - owner_first:
-                    summed = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-                    for q in range(owner_first, owner_last + 1):
-                        q_slot = 2 * q + (_stream_start(q, total, programs) < tile * steps).to(tl.int64)
-                        summed += tl.load(part_ptr + q_slot * (BLOCK_N * BLOCK_M) + tile_offsets,
-                                          cache_modifier=".cg")
-                    _finish(summed, rm, rn, M, N, stride_om, scale_ptr, xscale_ptr, bias_ptr, out_ptr,
-                            HAS_BIAS, True)
-                    tl.store(counter_ptr + tile, 0)  # every program of the tile has arrived
-            start = tile * steps + k_last
-
-    @triton.jit
     def quantize_row_block(y, scale):
         """float32 ``y`` / ``scale`` clamped to e4m3's range and rounded to it (still float32): the
         numbers of ``_quantize_rows_kernel``, for kernels that quantize the rows they produce."""
@@ -579,16 +505,6 @@ def _launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
     if config.tma and tma_ready(x, weight, config):
         w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
         x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
-        if config.stream_k and m_tiles * n_tiles <= TILE_COUNTERS:
-            # every program gets at least one K step, so each cut tile's programs all arrive
-            programs = min(config.stream_k * _num_sms(x.device.index if x.device.type == "cuda" else None),
-                           m_tiles * n_tiles * k_blocks)
-            part = torch.empty(2 * programs, bn * bm, dtype=torch.float32, device=x.device)
-            _fp8_dot_stream_k_kernel[(programs,)](
-                w_desc, x_desc, x_scale, scale, bias if bias is not None else scale, out, part,
-                _tile_counters(x.device), m, n, k, out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                HAS_BIAS=bias is not None, NUM_STAGES=config.num_stages, num_warps=config.num_warps)
-            return out
         _fp8_dot_tma_kernel[grid](
             w_desc, x_desc, x_scale, scale, bias if bias is not None else scale, out, part, counters,
             m, n, k, out.stride(0), blocks_per_split, split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
