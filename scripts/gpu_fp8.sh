@@ -2,7 +2,7 @@
 # steps with fp8 weights and KV (the quantizers fused into the norms and the SwiGLU, and not),
 # then reasoning-8k with fp8 weights and KV, Zipage and full KV. PART picks one (default all).
 #
-#   bash scripts/gpu_fp8.sh [tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma]
+#   bash scripts/gpu_fp8.sh [tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma|quantizers]
 #
 # Not part of all: probs, decode attention and whole decode steps with P @ V on float8 matrix units
 # (paged_decode.FP8_PROBABILITIES) against without, each with where 4 steps' time goes by kernel; probs-quality, the synthetic tasks' accuracy with it
@@ -10,7 +10,9 @@
 # Zipage reasoning-8k run with it. PROBS_MAX_REGISTERS (default 128, the fastest cap in the
 # attention sweep) caps that kernel's registers in those parts. gemm-tma: the W8A8 GEMM's candidate
 # configs whose operands TMA loads, timed per Qwen3-8B layer at 64-256 tokens beside the engine's
-# configs (scripts/fp8_gemm_sweep.py --match tma), after their CUDA test.
+# configs (scripts/fp8_gemm_sweep.py --match tma), after their CUDA test. quantizers: the W8A8
+# activation quantizers reading a row once against twice (fp8_linear.ONE_PASS_MAX_WIDTH), their
+# CUDA tests, each kernel alone (scripts/fp8_quantizer_sweep.py), and whole decode steps both ways.
 #
 # Each part prints its table; RESULTS (default out/fp8) gets the JSON files.
 set -euo pipefail
@@ -18,8 +20,9 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 part=${1:-all}
 RESULTS=${RESULTS:-out/fp8}
-case "$part" in tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma) ;;
-  *) echo "PART must be tests, attention, decode, zipage8k, full8k, all, probs, probs-quality, probs8k or gemm-tma," \
+case "$part" in tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma|quantizers) ;;
+  *) echo "PART must be tests, attention, decode, zipage8k, full8k, all, probs, probs-quality, probs8k, gemm-tma" \
+          "or quantizers," \
           "got '$part'" >&2
      exit 2 ;; esac
 source scripts/gpu_common.sh
@@ -70,6 +73,19 @@ if [ "$part" = gemm-tma ]; then
   stamp "the W8A8 GEMM per layer, 64-256 tokens: TMA candidates against the engine's configs"
   python3 scripts/fp8_gemm_sweep.py --variants w8a8 --batches 64,128,256 --match tma --budget-s 240 \
     --out "$RESULTS/gemm-tma"
+fi
+if [ "$part" = quantizers ]; then
+  stamp "the activation quantizers: CUDA tests"
+  (ZIPAGE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q tests/test_fp8_weights.py \
+    -k "alike or quantize_rows_fp8 or fused_quantizers" 2>&1 || true) | tail -15
+  stamp "the activation quantizers alone: a row read once against twice"
+  python3 scripts/fp8_quantizer_sweep.py
+  for width in 0 16384; do
+    stamp "whole decode steps, fp8 weights and KV, ONE_PASS_MAX_WIDTH=$width"
+    python3 -c "import sys; from zipage.kernels import fp8_linear; fp8_linear.ONE_PASS_MAX_WIDTH = $width
+from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-8b --batch 1,64,128,256 \
+      --modes graphs --steps 32 $FP8 --out "$RESULTS/decode-one-pass-$width.json" 2>&1 | grep -v "it/s\]" | tail -6
+  done
 fi
 if [ "$part" = probs-quality ]; then
   for task in tracing:checkpoints/tracing-14m ledger:checkpoints/ledger-14m; do

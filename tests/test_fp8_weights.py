@@ -255,6 +255,30 @@ def test_quantize_rows_fp8_matches_twin():
         assert torch.equal(q.float(), q_twin.float())  # as values: the kernel may write +0 for -0
 
 
+@pytest.mark.parametrize("width", [80, 3000, 9000])
+def test_quantizers_read_rows_once_or_twice_alike(width, monkeypatch):
+    """The activation quantizers give the same bytes and scales whether a row is read once and
+    held (``ONE_PASS_MAX_WIDTH`` at least its width) or twice, a block at a time (0; rows of
+    9,000 take two blocks of ``quantize_rows_fp8`` and three of ``silu_mul_quantize``), and
+    ``quantize_rows_fp8`` equals its twin either way."""
+    require_triton()
+    _needs_kernel_device()
+    from zipage.kernels import fp8_linear
+    from zipage.kernels.fp8_linear import quantize_rows_fp8, quantize_rows_fp8_torch, silu_mul_quantize
+
+    x = (_random(5, width, seed=width) * torch.logspace(-4, 2, 5)[:, None]).to(KERNEL_DEVICE)
+    gate_up = (_random(5, 2 * width, seed=width + 1, dtype=torch.float16) * 3).to(KERNEL_DEVICE)
+    results = {}
+    for max_width in (0, 16384):
+        monkeypatch.setattr(fp8_linear, "ONE_PASS_MAX_WIDTH", max_width)
+        assert fp8_linear._row_blocks(width, 4096)[1] == (max_width > 0)
+        results[max_width] = quantize_rows_fp8(x), silu_mul_quantize(gate_up)
+    for (q_two, s_two), (q_one, s_one) in zip(results[0], results[16384]):
+        assert torch.equal(s_one, s_two) and torch.equal(q_one.view(torch.uint8), q_two.view(torch.uint8))
+    q_twin, s_twin = quantize_rows_fp8_torch(x)
+    assert torch.equal(results[16384][0][1], s_twin) and torch.equal(results[16384][0][0].float(), q_twin.float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_quantizers_match_the_unfused(dtype):
     """A norm before a W8A8 projection hands it the rows ``quantize_rows_fp8`` makes of the norm's

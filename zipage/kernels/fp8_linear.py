@@ -88,6 +88,12 @@ ACT_AMAX_FLOOR = 1e-12  # a row of zeros gets this amax (its scale is then tiny,
 PROGRAMS_PER_SM = 2
 MIN_K_ITERS = 4
 WORKSPACE_SHARE = 0.25
+# The activation quantizers (``quantize_rows_fp8``, ``silu_mul_quantize``) read a row of up to
+# this many elements (a power of two) once, held in registers, instead of twice in blocks (the
+# amax, then the values). Off (0) until timed on a GPU against the two passes: one program per
+# row, the second pass's loads wait on the first's (scripts/gpu_fp8.sh quantizers).
+ONE_PASS_MAX_WIDTH = 0
+
 TILE_COUNTERS = 1 << 14  # output tiles that can split K in one launch (counters per device)
 TMA_MAX_BOX = 256  # elements of a TMA copy's box along each dimension
 
@@ -420,11 +426,19 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_quantize_kernel(x_ptr, q_ptr, s_ptr, half, stride_xm, stride_qm, OUT_DTYPE: tl.constexpr,
-                                  BLOCK: tl.constexpr):
+                                  BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
         """One row per program: ``y = silu(gate) * up`` of ``x = [gate | up]``, then its amax and
-        ``q = y / (amax / 448)`` in e4m3, as ``quantize_rows_fp8`` quantizes a stored ``y``."""
+        ``q = y / (amax / 448)`` in e4m3, as ``quantize_rows_fp8`` quantizes a stored ``y``.
+        ONE_PASS (the row fits one BLOCK): the row is read once and held, else twice."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
+        if ONE_PASS:
+            row_y = _silu_mul(x_ptr, row, stride_xm, half, cols, cols < half, OUT_DTYPE)
+            row_scale = tl.maximum(tl.max(tl.abs(row_y), axis=0), _AMAX_FLOOR) / _FP8_MAX
+            tl.store(s_ptr + row, row_scale)
+            row_q = quantize_row_block(row_y, row_scale)
+            tl.store(q_ptr + row * stride_qm + cols, row_q.to(q_ptr.dtype.element_ty), mask=cols < half)
+            return
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, half, BLOCK):
             y = _silu_mul(x_ptr, row, stride_xm, half, k0 + cols, k0 + cols < half, OUT_DTYPE)
@@ -437,10 +451,19 @@ if triton is not None:
             tl.store(q_ptr + row * stride_qm + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < half)
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr):
-        """One row per program: amax, then ``q = clamp(x / (amax / 448))`` in e4m3 (to nearest)."""
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr,
+                              ONE_PASS: tl.constexpr):
+        """One row per program: amax, then ``q = clamp(x / (amax / 448))`` in e4m3 (to nearest).
+        ONE_PASS (the row fits one BLOCK): the row is read once and held, else twice."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
+        if ONE_PASS:
+            row_x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+            row_scale = tl.maximum(tl.max(tl.abs(row_x), axis=0), _AMAX_FLOOR) / _FP8_MAX
+            tl.store(s_ptr + row, row_scale)
+            row_q = quantize_row_block(row_x, row_scale)
+            tl.store(q_ptr + row * stride_qm + cols, row_q.to(q_ptr.dtype.element_ty), mask=cols < K)
+            return
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_ptr + row * stride_xm + k0 + cols, mask=k0 + cols < K, other=0.0)
@@ -543,9 +566,20 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=min(8192, triton.next_power_of_2(k)),
-                                    num_warps=8)
+        block, one_pass, warps = _row_blocks(k, 8192)
+        _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=block, ONE_PASS=one_pass,
+                                    num_warps=warps)
     return q, s
+
+
+def _row_blocks(width: int, two_pass_block: int) -> tuple[int, bool, int]:
+    """(BLOCK, ONE_PASS, num_warps) of a quantizer over rows of ``width`` elements: the whole row
+    in one block, read once, when it fits ``ONE_PASS_MAX_WIDTH``; else blocks of
+    ``two_pass_block`` read twice (the amax first, then the quantized values)."""
+    block = triton.next_power_of_2(width)
+    if block <= ONE_PASS_MAX_WIDTH:
+        return block, True, max(4, min(16, block // 512))
+    return min(two_pass_block, block), False, 8
 
 
 def silu_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -559,8 +593,9 @@ def silu_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, half, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
+        block, one_pass, warps = _row_blocks(half, 4096)
         _silu_mul_quantize_kernel[(m,)](x, q, s, half, x.stride(0), q.stride(0), OUT_DTYPE=_tl_dtype(x.dtype),
-                                        BLOCK=min(4096, triton.next_power_of_2(half)), num_warps=8)
+                                        BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
     return q, s
 
 
