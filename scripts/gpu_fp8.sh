@@ -2,7 +2,7 @@
 # steps with fp8 weights and KV (the quantizers fused into the norms and the SwiGLU, and not),
 # then reasoning-8k with fp8 weights and KV, Zipage and full KV. PART picks one (default all).
 #
-#   bash scripts/gpu_fp8.sh [tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma|quantizers]
+#   bash scripts/gpu_fp8.sh [tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma|quantizers|pdl|pdl8k]
 #
 # Not part of all: probs, decode attention and whole decode steps with P @ V on float8 matrix units
 # (paged_decode.FP8_PROBABILITIES) against without, each with where 4 steps' time goes by kernel; probs-quality, the synthetic tasks' accuracy with it
@@ -13,6 +13,9 @@
 # configs (scripts/fp8_gemm_sweep.py --match tma), after their CUDA test. quantizers: the W8A8
 # activation quantizers reading a row once against twice (fp8_linear.ONE_PASS_MAX_WIDTH), their
 # CUDA tests, each kernel alone (scripts/fp8_quantizer_sweep.py), and whole decode steps both ways.
+# pdl: the decode step's kernels with programmatic dependent launch (kernels/common.PDL) against
+# without: its CUDA tests, then whole decode steps both ways, fp8 weights and KV (with where 4 steps'
+# time goes by kernel) and bf16; pdl8k: the Zipage reasoning-8k run with fp8 weights and KV, with it.
 #
 # Each part prints its table; RESULTS (default out/fp8) gets the JSON files.
 set -euo pipefail
@@ -20,9 +23,9 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 part=${1:-all}
 RESULTS=${RESULTS:-out/fp8}
-case "$part" in tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma|quantizers) ;;
-  *) echo "PART must be tests, attention, decode, zipage8k, full8k, all, probs, probs-quality, probs8k, gemm-tma" \
-          "or quantizers," \
+case "$part" in tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma|quantizers|pdl|pdl8k) ;;
+  *) echo "PART must be tests, attention, decode, zipage8k, full8k, all, probs, probs-quality, probs8k, gemm-tma," \
+          "quantizers, pdl or pdl8k," \
           "got '$part'" >&2
      exit 2 ;; esac
 source scripts/gpu_common.sh
@@ -86,6 +89,27 @@ if [ "$part" = quantizers ]; then
 from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-8b --batch 1,64,128,256 \
       --modes graphs --steps 32 $FP8 --out "$RESULTS/decode-one-pass-$width.json" 2>&1 | grep -v "it/s\]" | tail -6
   done
+fi
+if [ "$part" = pdl ]; then
+  stamp "programmatic dependent launch: CUDA tests"
+  (ZIPAGE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q tests/test_pdl.py 2>&1 || true) | tail -15
+  for weights in fp8 bf16; do
+    for pdl in False True; do
+      stamp "whole decode steps, $weights weights and KV, PDL: $pdl"
+      if [ $weights = fp8 ]; then options="$FP8 --profile-steps 4"; else options=""; fi
+      python3 -c "import sys; from zipage.kernels import common; common.PDL = $pdl
+from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-8b --batch 1,64,128,256 \
+        --modes graphs --steps 32 $options --out "$RESULTS/decode-$weights-pdl-$pdl.json" 2>&1 \
+        | grep -v "it/s\]" | tail -48
+    done
+  done
+fi
+if [ "$part" = pdl8k ]; then
+  stamp "reasoning-8k, zipage, fp8 weights and KV, programmatic dependent launch"
+  python3 -c "import sys; from zipage.kernels import common; common.PDL = True
+from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench throughput --shape qwen3-8b --scale 1 \
+    --workload reasoning-8k --modes zipage --hf-requests 0 $FP8 --out "$RESULTS/zipage-8k-pdl" 2>&1 \
+    | grep -v "it/s\]\|tok/s\]" | tail -12
 fi
 if [ "$part" = probs-quality ]; then
   for task in tracing:checkpoints/tracing-14m ledger:checkpoints/ledger-14m; do

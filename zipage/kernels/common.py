@@ -19,6 +19,7 @@ try:
     import triton.language as tl
 except ImportError:  # no Triton for this platform: only the PyTorch twins are usable
     triton = None
+gdc_wait = gdc_launch_dependents = None  # Triton's grid dependency control, where it has it
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -81,6 +82,38 @@ def fast_fp8_widening(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 FAST_FP8_WIDENING = True  # False: Triton's own conversion everywhere (for comparisons)
+
+
+# -- Programmatic dependent launch ----------------------------------------------------
+# A decode step is a chain of a dozen short kernels a layer, and the device idles between
+# two of them while the next one's programs are launched (3-5% of an fp8 step on an H200,
+# docs/fp8.md). With PDL on (Hopper and newer), the kernels of that chain launch with the
+# programmatic-serialization attribute: the next kernel's programs are scheduled while the
+# last wave of the one before runs, each waits (``griddepcontrol.wait``) until that kernel
+# has finished and its writes are visible, and only then touches memory. Off until timed on
+# a GPU (``bash scripts/gpu_fp8.sh pdl``).
+PDL = False
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Extra arguments of a launch of a step kernel on ``device``: ``PDL`` (the kernel's
+    constexpr that makes it wait for the kernel before it) and ``launch_pdl`` (Triton's launch
+    option) when PDL is on and the device has it; nothing else, so that the CPU interpreter
+    never sees them."""
+    device = torch.device(device)
+    if not PDL or gdc_wait is None or device.type != "cuda" or _capability(device)[0] < 9:
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
+def split_pdl(extra: dict) -> tuple[dict, dict]:
+    """``pdl_launch``'s arguments as (constexprs, launch options), for ``launch_kernel``."""
+    return {"PDL": extra.get("PDL", False)}, {k: v for k, v in extra.items() if k == "launch_pdl"}
 
 
 # Whether StepLaunches may launch binaries directly; turned off, with a warning, the first time a
@@ -157,6 +190,19 @@ def _specialization(args: tuple) -> tuple:
 
 
 if triton is not None:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # a Triton without grid dependency control: PDL stays off (see pdl_launch)
+        gdc_launch_dependents = gdc_wait = None
+
+    @triton.jit
+    def wait_for_previous_kernel(PDL: tl.constexpr):
+        """First thing in a step kernel, before it touches memory: with programmatic dependent
+        launch (PDL), wait until the kernel before it in the stream has finished and its writes
+        are visible, then let the next kernel's programs start launching."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
     @triton.jit
     def fp8_to_bf16(x):
@@ -221,4 +267,4 @@ if triton is not None:
                 tl.load(v_scale_ptr + offsets, mask=mask, other=0.0))
 
 else:
-    fp8_to_bf16 = widen_fp8 = load_kv_scales = round_to_e4m3 = None
+    fp8_to_bf16 = widen_fp8 = load_kv_scales = round_to_e4m3 = wait_for_previous_kernel = None

@@ -65,7 +65,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zipage.kernels.common import dot_precision, fast_fp8_widening, is_fp8, round_to_e4m3, widen_fp8
+from zipage.kernels.common import (dot_precision, fast_fp8_widening, is_fp8, pdl_launch, round_to_e4m3,
+                                   wait_for_previous_kernel, widen_fp8)
 
 try:
     import triton
@@ -334,10 +335,11 @@ if triton is not None:
         M, N, K, stride_xm, stride_wn, stride_om, blocks_per_split, SPLIT_K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, A8: tl.constexpr,
-        FAST_CVT: tl.constexpr, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr,
+        FAST_CVT: tl.constexpr, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):
         """Program (m tile, n tile, k split): ``acc[BLOCK_N, BLOCK_M] = W[n tile, k range] @
         x[m tile, k range]^T``; ``A8``: x is float8 with per-row scales ``xscale``."""
+        wait_for_previous_kernel(PDL)
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn_local = tl.arange(0, BLOCK_N)
@@ -387,13 +389,14 @@ if triton is not None:
         w_desc, x_desc, xscale_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
         M, N, K, stride_om, blocks_per_split, SPLIT_K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-        NUM_STAGES: tl.constexpr,
+        NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
     ):
         """W8A8 with the weight as the left operand (``swap_ab``), both operands loaded by the
         tensor memory accelerator: program (m tile, n tile, k split) computes ``acc[BLOCK_N,
         BLOCK_M] = W[n tile, k range] @ xq[m tile, k range]^T``. A TMA copy fills a whole tile
         of shared memory from one descriptor and two coordinates (no per-thread addresses, no
         masks: rows past M or N and columns past K arrive as zeros)."""
+        wait_for_previous_kernel(PDL)
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
         k_start = pid_k * blocks_per_split * BLOCK_K
@@ -426,10 +429,11 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_quantize_kernel(x_ptr, q_ptr, s_ptr, half, stride_xm, stride_qm, OUT_DTYPE: tl.constexpr,
-                                  BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+                                  BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):
         """One row per program: ``y = silu(gate) * up`` of ``x = [gate | up]``, then its amax and
         ``q = y / (amax / 448)`` in e4m3, as ``quantize_rows_fp8`` quantizes a stored ``y``.
         ONE_PASS (the row fits one BLOCK): the row is read once and held, else twice."""
+        wait_for_previous_kernel(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         if ONE_PASS:
@@ -452,9 +456,10 @@ if triton is not None:
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr,
-                              ONE_PASS: tl.constexpr):
+                              ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):
         """One row per program: amax, then ``q = clamp(x / (amax / 448))`` in e4m3 (to nearest).
         ONE_PASS (the row fits one BLOCK): the row is read once and held, else twice."""
+        wait_for_previous_kernel(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         if ONE_PASS:
@@ -531,7 +536,8 @@ def _launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
         _fp8_dot_tma_kernel[grid](
             w_desc, x_desc, x_scale, scale, bias if bias is not None else scale, out, part, counters,
             m, n, k, out.stride(0), blocks_per_split, split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            HAS_BIAS=bias is not None, NUM_STAGES=config.num_stages, num_warps=config.num_warps)
+            HAS_BIAS=bias is not None, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+            **pdl_launch(x.device))
         return out
     fast = fast_fp8_widening(x.dtype, x.device)
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
@@ -542,7 +548,7 @@ def _launch(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
         x, x_scale if x_scale is not None else scale, weight, scale, bias_arg, out, part, counters,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), blocks_per_split, split,
         A8=x_scale is not None, FAST_CVT=fast and x_scale is None, SWAP_AB=config.swap_ab,
-        PRECISION=dot_precision(x.dtype), **common)
+        PRECISION=dot_precision(x.dtype), **common, **pdl_launch(x.device))
     return out
 
 
@@ -568,7 +574,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         block, one_pass, warps = _row_blocks(k, 8192)
         _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=block, ONE_PASS=one_pass,
-                                    num_warps=warps)
+                                    num_warps=warps, **pdl_launch(x.device))
     return q, s
 
 
@@ -595,7 +601,7 @@ def silu_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         block, one_pass, warps = _row_blocks(half, 4096)
         _silu_mul_quantize_kernel[(m,)](x, q, s, half, x.stride(0), q.stride(0), OUT_DTYPE=_tl_dtype(x.dtype),
-                                        BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
+                                        BLOCK=block, ONE_PASS=one_pass, num_warps=warps, **pdl_launch(x.device))
     return q, s
 
 

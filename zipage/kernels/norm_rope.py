@@ -14,6 +14,8 @@ order of a float32 sum.
 
 import torch
 
+from zipage.kernels.common import pdl_launch
+
 try:
     import triton
     import triton.language as tl
@@ -24,6 +26,7 @@ AVAILABLE = triton is not None
 
 
 if triton is not None:
+    from zipage.kernels.common import wait_for_previous_kernel
     from zipage.kernels.fp8_linear import _AMAX_FLOOR, _FP8_MAX, quantize_row_block
 
     @triton.jit
@@ -41,10 +44,12 @@ if triton is not None:
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
         QUANTIZE: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """One program per row: ``out = weight * norm(x + residual)``, ``residual_out = x + residual``.
         QUANTIZE: ``out`` (float8 e4m3) and ``scale`` hold the normalised row quantized as
         ``fp8_linear.quantize_rows_fp8`` would quantize it (for a W8A8 projection after the norm)."""
+        wait_for_previous_kernel(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
@@ -113,8 +118,10 @@ if triton is not None:
         HEADS_PAD: tl.constexpr,
         KV_HEADS_PAD: tl.constexpr,
         HALF_PAD: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """One program per token: every query and key head, normed (Qwen3) and rotated."""
+        wait_for_previous_kernel(PDL)
         token = tl.program_id(0).to(tl.int64)
         position = tl.load(positions_ptr + token).to(tl.int64)
         dims = tl.arange(0, HALF_PAD)[None, :]
@@ -163,7 +170,7 @@ def _add_rms_norm(x, residual, weight, eps, quantize=False):
             x, residual if residual is not None else x, weight, out, residual_out,
             x.stride(0), residual.stride(0) if residual is not None else 0, hidden, eps, scales,
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden), QUANTIZE=quantize,
-            num_warps=4 if hidden <= 2048 else 8,
+            num_warps=4 if hidden <= 2048 else 8, **pdl_launch(x.device),
         )
     normed = (out, scales) if quantize else out.view(shape)
     if residual is None:
@@ -197,5 +204,6 @@ def norm_rope_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
             q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_heads, k.shape[1], head_dim // 2,
             eps, HAS_NORM=has_norm, HEADS_PAD=triton.next_power_of_2(num_heads),
             KV_HEADS_PAD=triton.next_power_of_2(k.shape[1]), HALF_PAD=triton.next_power_of_2(head_dim // 2),
+            **pdl_launch(q.device),
         )
     return q_out, k_out

@@ -15,7 +15,8 @@ import math
 import torch
 
 from zipage.kernels.common import (dot_precision, fast_fp8_widening, is_fp8, launch_kernel, load_kv_scales,
-                                   multiprocessor_count, round_to_e4m3, token_major, widen_fp8)
+                                   multiprocessor_count, pdl_launch, round_to_e4m3, split_pdl, token_major,
+                                   wait_for_previous_kernel, widen_fp8)
 
 try:
     import triton
@@ -138,12 +139,14 @@ if triton is not None:
         HALVES: tl.constexpr,
         V_TOKEN_MAJOR: tl.constexpr,
         PAGE_PER_TILE: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """One program per (seq, kv_head, split); writes `out` directly when the sequence
         needs one split (always when SINGLE_SPLIT). V_TOKEN_MAJOR: the values are stored
         token-major (v_stride_slot 1). PAGE_PER_TILE: BLOCK_N divides PAGE_SIZE, so that a tile
         lies in one page (with token-major values, each value dimension's tokens are then one
         contiguous run)."""
+        wait_for_previous_kernel(PDL)
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -378,11 +381,13 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         FAST_FP8: tl.constexpr,
         EXACT_ROUNDING: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """``_decode_split_kernel`` for a float8 cache with token-major values and tiles within a
         page, with P @ V on float8 matrix units (``FP8_PROBABILITIES``): the values are multiplied
         as stored, not widened, and the probabilities (times the values' scales) are rounded to
         e4m3. Q @ K^T is as in ``_decode_split_kernel`` (keys widened exactly, half rows)."""
+        wait_for_previous_kernel(PDL)
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -441,8 +446,10 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLITS_PAD: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """One program per (seq, head): log-sum-exp weighted sum of the split outputs."""
+        wait_for_previous_kernel(PDL)
         seq = tl.program_id(0)
         head = tl.program_id(1)
 
@@ -594,7 +601,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
                       HEAD_DIM=head_dim, PAGE_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single_split,
                       DOT_PRECISION=dot_precision(q.dtype), FAST_FP8=fp8 and fast_fp8_widening(q.dtype, q.device))
     page_per_tile = values_token_major and block_size % block_n == 0
-    options = dict(num_warps=num_warps, num_stages=num_stages)
+    pdl, pdl_options = split_pdl(pdl_launch(q.device))
+    constexprs.update(pdl)
+    options = dict(num_warps=num_warps, num_stages=num_stages, **pdl_options)
     if fp8_probabilities(k_cache.dtype, head_dim, page_per_tile):
         kernel = _decode_fp8_probs_kernel
         constexprs["EXACT_ROUNDING"] = q.device.type != "cuda"  # the interpreter's conversion mis-rounds
@@ -608,8 +617,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     if not single_split:
         args = (partial_out, partial_lse, context_lens, out, out.stride(0), out.stride(1), num_heads, num_splits,
                 min_split_tiles)
-        constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS_PAD=triton.next_power_of_2(num_splits))
-        launch_kernel(_decode_merge_kernel, (batch, num_heads), args, constexprs, launches)
+        constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS_PAD=triton.next_power_of_2(num_splits), **pdl)
+        launch_kernel(_decode_merge_kernel, (batch, num_heads), args, constexprs, launches, **pdl_options)
     return out
 
 

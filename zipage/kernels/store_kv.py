@@ -14,7 +14,8 @@ kv_heads], the slot's entry); see zipage/kernels/common.py.
 
 import torch
 
-from zipage.kernels.common import FP8_AMAX_FLOOR, FP8_MAX, is_fp8, launch_kernel, quantize_fp8_torch
+from zipage.kernels.common import (FP8_AMAX_FLOOR, FP8_MAX, is_fp8, launch_kernel, pdl_launch, quantize_fp8_torch,
+                                   split_pdl, wait_for_previous_kernel)
 
 try:
     import triton
@@ -81,9 +82,11 @@ if triton is not None:
         HAS_QUERY: tl.constexpr,
         QUERY_HEADS_PAD: tl.constexpr,
         FP8: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """One program per token: copies all its KV heads into the cache slot (and its
         query heads into its query-cache row)."""
+        wait_for_previous_kernel(PDL)
         token = tl.program_id(0).to(tl.int64)
         dims = tl.arange(0, HEAD_DIM)[None, :]
         if HAS_QUERY:
@@ -186,7 +189,8 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache
             query.shape[1], k_scale, v_scale, k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0)
     constexprs = dict(PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
                       HAS_QUERY=has_query, QUERY_HEADS_PAD=triton.next_power_of_2(query.shape[1]), FP8=fp8)
-    launch_kernel(_store_kv_kernel, (num_tokens,), args, constexprs, launches)
+    pdl, options = split_pdl(pdl_launch(key.device))
+    launch_kernel(_store_kv_kernel, (num_tokens,), args, {**constexprs, **pdl}, launches, **options)
 
 
 def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None, *,
