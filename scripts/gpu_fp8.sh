@@ -59,7 +59,7 @@ fi
 if [ "$part" = probs ]; then
   stamp "decode attention, fp8 cache: P @ V widened to bf16 against on float8 matrix units"
   python3 scripts/decode_tile_sweep.py --default-only --fp8-probabilities --batch 1,16,64,128,256 \
-    --context 1024,2048,4096 --out "$RESULTS/attention-probs.json"
+    --context 1024,1040,2048,4096 --out "$RESULTS/attention-probs.json"  # 1,040: a partial last tile
   for probs in True False; do
     stamp "whole decode steps, fp8 weights and KV, P @ V on float8 matrix units: $probs"
     python3 -c "import sys; $(probs_on $probs)
