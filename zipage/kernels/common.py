@@ -105,8 +105,10 @@ def pdl_launch(device: torch.device) -> dict:
     constexpr that makes it wait for the kernel before it) and ``launch_pdl`` (Triton's launch
     option) when PDL is on and the device has it; nothing else, so that the CPU interpreter
     never sees them."""
+    if not PDL:  # first: this runs at every launch of a step kernel
+        return {}
     device = torch.device(device)
-    if not PDL or gdc_wait is None or device.type != "cuda" or _capability(device)[0] < 9:
+    if gdc_wait is None or device.type != "cuda" or _capability(device)[0] < 9:
         return {}
     return {"PDL": True, "launch_pdl": True}
 
