@@ -5,7 +5,6 @@ GPU) that an engine's tokens do not change with it."""
 import ast
 import importlib
 import inspect
-import os
 import textwrap
 
 import pytest
@@ -44,16 +43,16 @@ def _step_kernels():
 
 def test_pdl_turns_on_only_where_asked_and_the_device_has_it(monkeypatch):
     gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(common, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(common, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(common, "gdc_wait", object())  # a Triton with grid dependency control
     monkeypatch.setattr(common, "PDL", False)
     assert common.pdl_launch(gpu) == {}
     monkeypatch.setattr(common, "PDL", True)
     assert common.pdl_launch(gpu) == PDL_ARGS
     assert common.pdl_launch(torch.device("cpu")) == {}  # the interpreter never sees the arguments
-    monkeypatch.setattr(common, "_capability", lambda device: (8, 9))  # Ada: no PDL
+    monkeypatch.setattr(common, "device_capability", lambda device: (8, 9))  # Ada: no PDL
     assert common.pdl_launch(gpu) == {}
-    monkeypatch.setattr(common, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(common, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(common, "gdc_wait", None)
     assert common.pdl_launch(gpu) == {}
     assert common.split_pdl({}) == ({"PDL": False}, {})
@@ -151,7 +150,3 @@ def test_cuda_engine_tokens_are_the_same_with_pdl(checkpoint_dir, monkeypatch, f
             tokens[pdl, eager] = [o.outputs[0].token_ids for o in outputs]
     assert tokens[True, False] == tokens[False, False]
     assert tokens[True, True] == tokens[False, True]
-
-
-if os.environ.get("ZIPAGE_TEST_DEVICE", "cpu") == "cpu":
-    assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest before zipage.kernels was imported

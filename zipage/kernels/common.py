@@ -96,7 +96,8 @@ PDL = False
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (major, minor), asked once per device."""
     return torch.cuda.get_device_capability(device)
 
 
@@ -108,7 +109,7 @@ def pdl_launch(device: torch.device) -> dict:
     if not PDL:  # first: this runs at every launch of a step kernel
         return {}
     device = torch.device(device)
-    if gdc_wait is None or device.type != "cuda" or _capability(device)[0] < 9:
+    if gdc_wait is None or device.type != "cuda" or device_capability(device)[0] < 9:
         return {}
     return {"PDL": True, "launch_pdl": True}
 
@@ -194,8 +195,8 @@ def _specialization(args: tuple) -> tuple:
 if triton is not None:
     try:
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:  # a Triton without grid dependency control: PDL stays off (see pdl_launch)
-        gdc_launch_dependents = gdc_wait = None
+    except ImportError:  # a Triton without grid dependency control: they stay None, and PDL off (pdl_launch)
+        pass
 
     @triton.jit
     def wait_for_previous_kernel(PDL: tl.constexpr):

@@ -65,8 +65,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zipage.kernels.common import (dot_precision, fast_fp8_widening, is_fp8, pdl_launch, round_to_e4m3,
-                                   wait_for_previous_kernel, widen_fp8)
+from zipage.kernels.common import (device_capability, dot_precision, fast_fp8_widening, is_fp8, pdl_launch,
+                                   round_to_e4m3, wait_for_previous_kernel, widen_fp8)
 
 try:
     import triton
@@ -498,7 +498,7 @@ def tma_ready(x: torch.Tensor, weight: torch.Tensor, config: W8A16Config) -> boo
     emulates it), rows 16-byte aligned, and boxes of at most TMA_MAX_BOX rows and bytes."""
     if TensorDescriptor is None or not config.swap_ab or not is_fp8(x.dtype):
         return False
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+    if x.device.type == "cuda" and device_capability(x.device)[0] < 9:
         return False
     aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (x, weight))
     return aligned and max(config.block_m, config.block_n, config.block_k) <= TMA_MAX_BOX
