@@ -14,8 +14,10 @@
 # activation quantizers reading a row once against twice (fp8_linear.ONE_PASS_MAX_WIDTH), their
 # CUDA tests, each kernel alone (scripts/fp8_quantizer_sweep.py), and whole decode steps both ways.
 # pdl: the decode step's kernels with programmatic dependent launch (kernels/common.PDL) against
-# without: its CUDA tests, then whole decode steps both ways, fp8 weights and KV (with where 4 steps'
-# time goes by kernel) and bf16; pdl8k: the Zipage reasoning-8k run with fp8 weights and KV, with it.
+# without: its CUDA tests, then whole decode steps off, on with the next kernel launched early and on with
+# it launched as each kernel exits (common.PDL_EARLY_TRIGGER), fp8 weights and KV (with where 4 steps'
+# time goes by kernel) and bf16; pdl8k: the Zipage reasoning-8k run with fp8 weights and KV, with it
+# (PDL_EARLY_TRIGGER=False: the next kernel launched at exit).
 #
 # Each part prints its table; RESULTS (default out/fp8) gets the JSON files.
 set -euo pipefail
@@ -94,19 +96,22 @@ if [ "$part" = pdl ]; then
   stamp "programmatic dependent launch: CUDA tests"
   (ZIPAGE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q tests/test_pdl.py 2>&1 || true) | tail -15
   for weights in fp8 bf16; do
-    for pdl in False True; do
-      stamp "whole decode steps, $weights weights and KV, PDL: $pdl"
+    # off; on with the next kernel launched early (as each program has waited); on, launched at exit
+    for pdl in False:True True:True True:False; do
+      stamp "whole decode steps, $weights weights and KV, PDL: ${pdl%%:*}, early trigger: ${pdl#*:}"
       if [ $weights = fp8 ]; then options="$FP8 --profile-steps 4"; else options=""; fi
-      python3 -c "import sys; from zipage.kernels import common; common.PDL = $pdl
+      python3 -c "import sys; from zipage.kernels import common; common.PDL = ${pdl%%:*}
+common.PDL_EARLY_TRIGGER = ${pdl#*:}
 from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-8b --batch 1,64,128,256 \
-        --modes graphs --steps 32 $options --out "$RESULTS/decode-$weights-pdl-$pdl.json" 2>&1 \
-        | grep -v "it/s\]" | tail -48
+        --modes graphs --steps 32 $options --out "$RESULTS/decode-$weights-pdl-${pdl/:/-}.json" 2>&1 \
+        | grep -v "it/s\]" | tail -${PDL_TAIL:-48}
     done
   done
 fi
 if [ "$part" = pdl8k ]; then
   stamp "reasoning-8k, zipage, fp8 weights and KV, programmatic dependent launch"
   python3 -c "import sys; from zipage.kernels import common; common.PDL = True
+common.PDL_EARLY_TRIGGER = ${PDL_EARLY_TRIGGER:-True}
 from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench throughput --shape qwen3-8b --scale 1 \
     --workload reasoning-8k --modes zipage --hf-requests 0 $FP8 --out "$RESULTS/zipage-8k-pdl" 2>&1 \
     | grep -v "it/s\]\|tok/s\]" | tail -12

@@ -48,8 +48,11 @@ def test_pdl_turns_on_only_where_asked_and_the_device_has_it(monkeypatch):
     monkeypatch.setattr(common, "PDL", False)
     assert common.pdl_launch(gpu) == {}
     monkeypatch.setattr(common, "PDL", True)
-    assert common.pdl_launch(gpu) == PDL_ARGS
+    monkeypatch.setattr(common, "PDL_EARLY_TRIGGER", True)
+    assert common.pdl_launch(gpu) == {"PDL": 1, "launch_pdl": True}
     assert common.pdl_launch(torch.device("cpu")) == {}  # the interpreter never sees the arguments
+    monkeypatch.setattr(common, "PDL_EARLY_TRIGGER", False)  # the next kernel launches as this one exits
+    assert common.pdl_launch(gpu) == {"PDL": 2, "launch_pdl": True}
     monkeypatch.setattr(common, "device_capability", lambda device: (8, 9))  # Ada: no PDL
     assert common.pdl_launch(gpu) == {}
     monkeypatch.setattr(common, "device_capability", lambda device: (9, 0))
@@ -127,10 +130,11 @@ def test_the_step_kernels_launch_with_pdl_when_it_is_on(monkeypatch):
 
 
 @cuda
+@pytest.mark.parametrize("early", [True, False], ids=["early-trigger", "trigger-at-exit"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_cuda_engine_tokens_are_the_same_with_pdl(checkpoint_dir, monkeypatch, fp8):
+def test_cuda_engine_tokens_are_the_same_with_pdl(checkpoint_dir, monkeypatch, fp8, early):
     """An engine with CUDA graphs (the decode step's kernels captured with their programmatic
-    dependencies) and eagerly: the same greedy tokens with PDL as without."""
+    dependencies) and eagerly: the same greedy tokens with PDL as without, whichever the trigger."""
     from zipage import SamplingParams
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -141,6 +145,7 @@ def test_cuda_engine_tokens_are_the_same_with_pdl(checkpoint_dir, monkeypatch, f
         options.update(quantization="fp8", kv_cache_dtype="fp8")
     prompts = [list(range(5, 40)), [3, 1, 4, 1, 5, 9, 2, 6], list(range(100, 120))]
     tokens = {}
+    monkeypatch.setattr(common, "PDL_EARLY_TRIGGER", early)
     for pdl in (False, True):
         monkeypatch.setattr(common, "PDL", pdl)
         for eager in (False, True):
