@@ -17,7 +17,7 @@
 # without: its CUDA tests, then whole decode steps off, on with the next kernel launched early and on with
 # it launched as each kernel exits (common.PDL_EARLY_TRIGGER), fp8 weights and KV (with where 4 steps'
 # time goes by kernel) and bf16; pdl8k: the Zipage reasoning-8k run with fp8 weights and KV, with it
-# (PDL_EARLY_TRIGGER=False: the next kernel launched at exit).
+# (PDL_EARLY_TRIGGER=True: the next kernel launched early; default False, as each kernel exits).
 #
 # Each part prints its table; RESULTS (default out/fp8) gets the JSON files.
 set -euo pipefail
@@ -104,14 +104,14 @@ if [ "$part" = pdl ]; then
 common.PDL_EARLY_TRIGGER = ${pdl#*:}
 from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-8b --batch 1,64,128,256 \
         --modes graphs --steps 32 $options --out "$RESULTS/decode-$weights-pdl-${pdl/:/-}.json" 2>&1 \
-        | grep -v "it/s\]" | tail -${PDL_TAIL:-48}
+        | grep -v "it/s\]" | tail -48
     done
   done
 fi
 if [ "$part" = pdl8k ]; then
   stamp "reasoning-8k, zipage, fp8 weights and KV, programmatic dependent launch"
   python3 -c "import sys; from zipage.kernels import common; common.PDL = True
-common.PDL_EARLY_TRIGGER = ${PDL_EARLY_TRIGGER:-True}
+common.PDL_EARLY_TRIGGER = ${PDL_EARLY_TRIGGER:-False}
 from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench throughput --shape qwen3-8b --scale 1 \
     --workload reasoning-8k --modes zipage --hf-requests 0 $FP8 --out "$RESULTS/zipage-8k-pdl" 2>&1 \
     | grep -v "it/s\]\|tok/s\]" | tail -12
