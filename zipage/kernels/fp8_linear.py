@@ -416,8 +416,18 @@ if triton is not None:
     @triton.jit
     def quantize_row_block(y, scale):
         """float32 ``y`` / ``scale`` clamped to e4m3's range and rounded to it (still float32): the
-        numbers of ``_quantize_rows_kernel``, for kernels that quantize the rows they produce."""
+        numbers of ``_quantize_rows_kernel``, for the kernels that quantize rows."""
         return round_to_e4m3(tl.minimum(tl.maximum(tl.fdiv(y, scale, ieee_rounding=True), -_FP8_MAX), _FP8_MAX))
+
+    @triton.jit
+    def store_quantized_row(y, cols, mask, q_row_ptr, scale_ptr):
+        """A whole row ``y`` (float32 at columns ``cols``, zeros where not ``mask``) quantized as
+        ``_quantize_rows_kernel`` quantizes it: its scale (amax / 448) stored at ``scale_ptr``, its
+        e4m3 values from ``q_row_ptr``. (The addresses are formed after the amax, so that they
+        are not held across it.)"""
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), _AMAX_FLOOR) / _FP8_MAX
+        tl.store(scale_ptr, scale)
+        tl.store(q_row_ptr + cols, quantize_row_block(y, scale).to(q_row_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_mul(x_ptr, row, stride_xm, half, cols, mask, OUT_DTYPE: tl.constexpr):
@@ -439,10 +449,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         if ONE_PASS:
             row_y = _silu_mul(x_ptr, row, stride_xm, half, cols, cols < half, OUT_DTYPE)
-            row_scale = tl.maximum(tl.max(tl.abs(row_y), axis=0), _AMAX_FLOOR) / _FP8_MAX
-            tl.store(s_ptr + row, row_scale)
-            row_q = quantize_row_block(row_y, row_scale)
-            tl.store(q_ptr + row * stride_qm + cols, row_q.to(q_ptr.dtype.element_ty), mask=cols < half)
+            store_quantized_row(row_y, cols, cols < half, q_ptr + row * stride_qm, s_ptr + row)
             return
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, half, BLOCK):
@@ -465,10 +472,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         if ONE_PASS:
             row_x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
-            row_scale = tl.maximum(tl.max(tl.abs(row_x), axis=0), _AMAX_FLOOR) / _FP8_MAX
-            tl.store(s_ptr + row, row_scale)
-            row_q = quantize_row_block(row_x, row_scale)
-            tl.store(q_ptr + row * stride_qm + cols, row_q.to(q_ptr.dtype.element_ty), mask=cols < K)
+            store_quantized_row(row_x, cols, cols < K, q_ptr + row * stride_qm, s_ptr + row)
             return
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, K, BLOCK):

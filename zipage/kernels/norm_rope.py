@@ -27,7 +27,7 @@ AVAILABLE = triton is not None
 
 if triton is not None:
     from zipage.kernels.common import wait_for_previous_kernel
-    from zipage.kernels.fp8_linear import _AMAX_FLOOR, _FP8_MAX, quantize_row_block
+    from zipage.kernels.fp8_linear import store_quantized_row
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -64,11 +64,7 @@ if triton is not None:
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
         out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
         if QUANTIZE:
-            y = out.to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(y), axis=0), _AMAX_FLOOR) / _FP8_MAX
-            tl.store(scale_ptr + row, scale)
-            q = quantize_row_block(y, scale)
-            tl.store(out_ptr + row * hidden + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+            store_quantized_row(out.to(tl.float32), cols, mask, out_ptr + row * hidden, scale_ptr + row)
         else:
             tl.store(out_ptr + row * hidden + cols, out, mask=mask)
 
