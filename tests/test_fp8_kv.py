@@ -234,6 +234,37 @@ def test_decode_fp8_probabilities(group_size, block_size, splits, tile, monkeypa
     assert 1e-4 < error < FP8_PROBS_ERROR, error  # the rounding shows, and stays small
 
 
+TWO_TERM_ERROR = 3e-3  # bf16 operands' error: the widening kernel's, not e4m3's (about 2e-2)
+
+
+@pytest.mark.parametrize("variant, splits", [("two", (None, None)), ("two", (3, 1)), ("two_sum", (2, 1)),
+                                             ("two_bound", (3, 1))])
+def test_decode_two_terms_experiment(variant, splits):
+    """scripts/decode_fp8_two_terms.py (an experiment, docs/fp8.md): both products on float8 operands,
+    the query and the probabilities each in two e4m3 terms, stays within bf16 operands' error of the
+    exact float64 reference: tiles smaller than a page, splits, a partial last tile whose slots past the
+    context hold NaN bytes, and a context of 0 (zeros)."""
+    require_triton()
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "decode_fp8_two_terms.py"
+    spec = importlib.util.spec_from_file_location("decode_fp8_two_terms", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    q, k8, v8, tables, lens, k_scale, v_scale, k_ref, v_ref = fp8_decode_inputs(4, 32, torch.float32)
+    v8 = token_major(v8)
+    assert torch.isnan(v8.float()).any()  # the slots past each context
+    scale = HEAD_DIM**-0.5
+    options = {**module.VARIANTS[variant], "block_n": 16}
+    out = module.run_two_terms(q, k8, v8, tables, lens, scale, k_scale, v_scale, num_splits=splits[0],
+                               min_split_tokens=splits[1], **options)
+    ref = kt.reference_decode(q, k_ref, v_ref, tables, lens, scale)
+    live = lens > 0
+    assert torch.isfinite(out).all() and torch.all(out[~live] == 0)
+    assert relative_error(out[live], ref[live]) < TWO_TERM_ERROR
+
+
 def test_round_to_e4m3_is_torchs_rounding():
     """The interpreter's stand-in for the hardware's float32 -> e4m3 conversion gives torch's values
     (nearest, ties to even) over e4m3's whole range: every value and every midpoint between
