@@ -20,17 +20,16 @@ in a CUDA graph), with the share of the copy bandwidth on the bytes read:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
 import triton
 import triton.language as tl
 
-from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S
-from zipage.bench.kernels import _as_fp8, _graph_us, _paged_problem, _rel_err
+from zipage.bench.kernels import time_decode_variants
 from zipage.kernels import paged_decode as pd
-from zipage.kernels.common import fp8_to_bf16, load_kv_scales, multiprocessor_count
-from zipage.kernels.paged_decode import paged_decode_attention, paged_decode_attention_torch
+from zipage.kernels.common import fp8_to_bf16, load_kv_scales
 
 
 @triton.jit
@@ -154,12 +153,8 @@ def run_variant(q, kc, vc, tables, lens, scale, k_scale, v_scale, *, block_n=128
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = kc.shape
     out = torch.empty_like(q) if out is None else out
-    max_tiles = triton.cdiv(tables.shape[1] * block_size, block_n)
-    fill = pd.DECODE_FILL_PROGRAMS_PER_SM * multiprocessor_count(q.device)
-    min_split_tokens = max(1, pd.DECODE_MIN_SPLIT_TOKENS * min(batch * num_kv_heads, fill) // fill)
-    min_split_tiles = triton.cdiv(min_split_tokens, block_n)
-    if num_splits is None:
-        num_splits = pd._choose_num_splits(batch, num_kv_heads, max_tiles, min_split_tiles, q.device)
+    num_splits, min_split_tiles = pd.split_plan(batch, num_kv_heads, tables.shape[1] * block_size, block_n, q.device,
+                                                num_splits)
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _variant_kernel[(batch, num_kv_heads, num_splits)](
@@ -195,33 +190,10 @@ def main() -> int:
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    dev, heads, kv_heads, dim, block = torch.device("cuda"), 32, 8, 128, 256
-    rows = []
-    for batch in [int(x) for x in args.batch.split(",")]:
-        for context in [int(x) for x in args.context.split(",")]:
-            k, v, tables, lens = _paged_problem(batch, context, block, heads, kv_heads, dim, torch.bfloat16, dev)
-            q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
-            scale = dim ** -0.5
-            kc, vc, sc = _as_fp8(k, v, True)
-            vc = vc.contiguous()  # these variants read row-major values (the engine's layout until 2026-12-04)
-            ref = paged_decode_attention_torch(q.double(), kc, vc, tables, lens, scale, **sc)
-            bf16_bytes = 2 * batch * context * kv_heads * dim * 2
-            fp8_bytes = 2 * batch * context * kv_heads * (dim + 4)
-
-            def record(name, fn, read):
-                out = fn()
-                us = _graph_us(fn, calls=20)
-                row = dict(batch=batch, context=context, variant=name, us=us, rel_err=_rel_err(out, ref),
-                           of_copy=read / (us / 1e6) / COPY_BANDWIDTH_BYTES_PER_S)
-                rows.append(row)
-                print(f"batch {batch:4d} context {context:5d} {name:12s} {us:8.1f} us {row['of_copy']:6.1%} of copy "
-                      f"err {row['rel_err']:.2e}", flush=True)
-
-            record("engine, bf16", lambda: paged_decode_attention(q, k, v, tables, lens, scale), bf16_bytes)
-            record("engine, fp8", lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, **sc), fp8_bytes)
-            for name in args.variants.split(","):
-                record(name, lambda kw=VARIANTS[name]: run_variant(q, kc, vc, tables, lens, scale, sc["k_scale"],
-                                                                   sc["v_scale"], **kw), fp8_bytes)
+    # these variants read row-major values (the engine's layout until 2026-12-04)
+    variants = {name: functools.partial(run_variant, **VARIANTS[name]) for name in args.variants.split(",")}
+    rows = time_decode_variants([int(x) for x in args.batch.split(",")], [int(x) for x in args.context.split(",")],
+                                variants, row_major_values=True, with_bf16=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -63,6 +63,46 @@ def _paged_problem(batch, context, block_size, heads, kv_heads, head_dim, dtype,
     return k, v, tables.to(device=device, dtype=torch.int32), lens.to(device)
 
 
+def time_decode_variants(batches, contexts, variants, *, row_major_values=False, with_bf16=False) -> list[dict]:
+    """Decode-attention experiments on a GPU (Qwen3-8B heads: 32 query and 8 KV heads of 128, pages of 256):
+    for each batch and context, the engine's kernel on a float8 cache (and on bf16 with ``with_bf16``) and
+    each of ``variants``, ``{name: fn(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    -> out}``, checked against the float64 twin on the dequantized cache and timed (20 calls in a CUDA graph),
+    with the share of the copy bandwidth on the bytes read; a line printed and a row returned each. The
+    float8 values are token-major (the engine's layout), row-major with ``row_major_values``."""
+    from zipage.kernels.paged_decode import paged_decode_attention, paged_decode_attention_torch
+
+    device, heads, kv_heads, dim, block = torch.device("cuda"), 32, 8, 128, 256
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            k, v, tables, lens = _paged_problem(batch, context, block, heads, kv_heads, dim, torch.bfloat16, device)
+            q = torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16)
+            scale = dim ** -0.5
+            kc, vc, sc = _as_fp8(k, v, True)
+            if row_major_values:
+                vc = vc.contiguous()
+            ref = paged_decode_attention_torch(q.double(), kc, vc, tables, lens, scale, **sc)
+            fp8_bytes = 2 * batch * context * kv_heads * (dim + 4)
+
+            def record(name, fn, read=fp8_bytes):
+                out = fn()
+                us = _graph_us(fn, calls=20)
+                row = dict(batch=batch, context=context, variant=name, us=us, rel_err=_rel_err(out, ref),
+                           of_copy=read / (us / 1e6) / COPY_BANDWIDTH_BYTES_PER_S)
+                rows.append(row)
+                print(f"batch {batch:4d} context {context:5d} {name:16s} {us:8.1f} us {row['of_copy']:6.1%} of copy "
+                      f"err {row['rel_err']:.2e}", flush=True)
+
+            if with_bf16:
+                record("engine, bf16", lambda: paged_decode_attention(q, k, v, tables, lens, scale),
+                       2 * batch * context * kv_heads * dim * 2)
+            record("engine, fp8", lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, **sc))
+            for name, fn in variants.items():
+                record(name, lambda fn=fn: fn(q, kc, vc, tables, lens, scale, sc["k_scale"], sc["v_scale"]))
+    return rows
+
+
 def _decode_store_rows(k, v, heads, block_size, window=16) -> list[dict]:
     """The KV store at decode sizes, without and with the window queries a Zipage step also
     writes: each checked to equal its twin exactly (a copy), then timed."""

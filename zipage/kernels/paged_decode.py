@@ -517,6 +517,21 @@ def _choose_num_splits(batch, num_kv_heads, max_tiles, min_split_tiles, device):
     return max(1, min(splits, triton.cdiv(max_tiles, min_split_tiles), DECODE_MAX_SPLITS))
 
 
+def split_plan(batch, num_kv_heads, max_context, block_n, device, num_splits=None, min_split_tokens=None):
+    """(splits per sequence, tiles a split gets at least) of a launch of ``batch`` sequences whose contexts
+    hold up to ``max_context`` tokens, from static shapes only; ``num_splits`` and ``min_split_tokens``
+    override the choice (DECODE_MIN_SPLIT_TOKENS, scaled down for a batch that does not fill the GPU)."""
+    if min_split_tokens is None:
+        fill = DECODE_FILL_PROGRAMS_PER_SM * multiprocessor_count(device)
+        min_split_tokens = max(1, DECODE_MIN_SPLIT_TOKENS * min(batch * num_kv_heads, fill) // fill)
+    assert min_split_tokens >= 1, f"min_split_tokens must be >= 1, got {min_split_tokens}"
+    min_split_tiles = triton.cdiv(min_split_tokens, block_n)
+    if num_splits is None:
+        num_splits = _choose_num_splits(batch, num_kv_heads, triton.cdiv(max_context, block_n), min_split_tiles,
+                                        device)
+    return num_splits, min_split_tiles
+
+
 def _check_args(q, k_cache, v_cache, block_tables, context_lens, k_scale=None, v_scale=None):
     batch, num_heads, head_dim = q.shape
     assert (k_scale is None) == (v_scale is None) == (not is_fp8(k_cache.dtype)), \
@@ -569,14 +584,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         block_n = max(16, min(block_n, block_size))
     else:
         assert v_cache.stride(3) == 1, "the values are stored row-major (head_dim contiguous) or token-major"
-    max_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)
-    if min_split_tokens is None:
-        fill = DECODE_FILL_PROGRAMS_PER_SM * multiprocessor_count(q.device)
-        min_split_tokens = max(1, DECODE_MIN_SPLIT_TOKENS * min(batch * num_kv_heads, fill) // fill)
-    assert min_split_tokens >= 1, f"min_split_tokens must be >= 1, got {min_split_tokens}"
-    min_split_tiles = triton.cdiv(min_split_tokens, block_n)
-    if num_splits is None:
-        num_splits = _choose_num_splits(batch, num_kv_heads, max_tiles, min_split_tiles, q.device)
+    num_splits, min_split_tiles = split_plan(batch, num_kv_heads, block_tables.shape[1] * block_size, block_n,
+                                             q.device, num_splits, min_split_tokens)
     single_split = num_splits == 1
 
     def split_buffers():
