@@ -12,7 +12,9 @@ bytes read (K, V and, for float8, their scales), and writes the rows as JSON.
 ``--fp8-probabilities`` times each float8 tile again with P @ V on float8 matrix units
 (``paged_decode.FP8_PROBABILITIES``), with the compiler's register count and with each cap of
 ``--max-registers`` (``paged_decode.FP8_PROBS_MAX_REGISTERS``); its error is against the same
-exact twin.
+exact twin. ``--widening-registers`` times the float8 widening kernel capped at each of its register
+counts too (``paged_decode.FP8_WIDENING_MAX_REGISTERS``); ``--ragged`` gives the requests contexts of
+random lengths up to ``--context``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ def main() -> int:
                    help="also time each float8 tile with P @ V on float8 matrix units")
     p.add_argument("--max-registers", default="168,128",
                    help="with --fp8-probabilities: register caps to time it with too (comma-separated)")
+    p.add_argument("--widening-registers", default="",
+                   help="register caps to time the float8 widening kernel with too (comma-separated; "
+                        "paged_decode.FP8_WIDENING_MAX_REGISTERS)")
+    p.add_argument("--ragged", action="store_true",
+                   help="contexts of random lengths from 1 to --context instead of all equal")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -53,7 +60,7 @@ def main() -> int:
     for batch in [int(x) for x in args.batch.split(",")]:
         for context in [int(x) for x in args.context.split(",")]:
             k, v, tables, lens = _paged_problem(batch, context, args.block_size, args.heads, args.kv_heads,
-                                                args.head_dim, torch.bfloat16, device)
+                                                args.head_dim, torch.bfloat16, device, ragged=args.ragged)
             q = torch.randn(batch, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
             scale = args.head_dim ** -0.5
             for fp8 in (False, True):
@@ -61,7 +68,7 @@ def main() -> int:
                 ref = paged_decode_attention_torch(q.float(), kc, vc, tables, lens, scale,
                                                    **{n: t for n, t in scales.items()}) if fp8 else \
                     paged_decode_attention_torch(q.float(), k.float(), v.float(), tables, lens, scale)
-                read = 2 * batch * context * args.kv_heads * (args.head_dim * kc.element_size() + (4 if fp8 else 0))
+                read = 2 * int(lens.sum()) * args.kv_heads * (args.head_dim * kc.element_size() + (4 if fp8 else 0))
                 default = decode_tile(args.head_dim, kc.dtype)
                 tiles = TILES if fp8 and not args.default_only else [default]  # bf16: its tile, the yardstick
                 for tile in tiles:
@@ -69,13 +76,15 @@ def main() -> int:
                         caps = [None] + [int(r) for r in args.max_registers.split(",") if r]
                         variants = [(False, None)] + ([(True, cap) for cap in caps] if fp8 and args.fp8_probabilities
                                                       else [])
+                        if fp8:  # the widening kernel capped
+                            variants += [(False, int(r)) for r in args.widening_registers.split(",") if r]
                         for probs, cap in variants:
                             row = _time(q, kc, vc, tables, lens, scale, scales, ref, tile, fast, probs, cap)
                             if row is None:
                                 print(f"batch {batch} context {context} fp8 {fp8} tile {tile}: does not run")
                                 continue
                             row.update(batch=batch, context=context, cache="fp8" if fp8 else "bf16",
-                                       default=tile == default,
+                                       default=tile == default and not probs and cap is None,
                                        of_copy=read / (row["ms"] / 1e3) / COPY_BANDWIDTH_BYTES_PER_S)
                             rows.append(row)
                             print(f"batch {batch:4d} context {context:5d} {row['cache']:4s} tile {str(tile):13s} "
@@ -93,7 +102,10 @@ def _time(q, kc, vc, tables, lens, scale, scales, ref, tile, fast, probs, max_re
     """The kernel's ms (20 calls in a CUDA graph) and its error against ``ref``, or None for a tile
     that does not fit (shared memory, registers)."""
     common.FAST_FP8_WIDENING, paged_decode.FP8_PROBABILITIES = fast, probs
-    paged_decode.FP8_PROBS_MAX_REGISTERS = max_registers
+    if probs:
+        paged_decode.FP8_PROBS_MAX_REGISTERS = max_registers
+    else:
+        paged_decode.FP8_WIDENING_MAX_REGISTERS = max_registers
     try:
         out = paged_decode_attention(q, kc, vc, tables, lens, scale, tile=tile, **scales)
         err = _rel_err(out, ref)
@@ -104,7 +116,7 @@ def _time(q, kc, vc, tables, lens, scale, scales, ref, tile, fast, probs, max_re
         return None
     finally:
         common.FAST_FP8_WIDENING, paged_decode.FP8_PROBABILITIES = True, False
-        paged_decode.FP8_PROBS_MAX_REGISTERS = None
+        paged_decode.FP8_PROBS_MAX_REGISTERS = paged_decode.FP8_WIDENING_MAX_REGISTERS = None
     return dict(tile=list(tile), fast_widening=fast, fp8_probabilities=probs, max_registers=max_registers, ms=ms,
                 rel_err=err)
 

@@ -2,7 +2,7 @@
 # steps with fp8 weights and KV (the quantizers fused into the norms and the SwiGLU, and not),
 # then reasoning-8k with fp8 weights and KV, Zipage and full KV. PART picks one (default all).
 #
-#   bash scripts/gpu_fp8.sh [tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma|quantizers|pdl|pdl8k]
+#   bash scripts/gpu_fp8.sh [tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma|quantizers|pdl|pdl8k|registers|registers8k]
 #
 # Not part of all: probs, decode attention and whole decode steps with P @ V on float8 matrix units
 # (paged_decode.FP8_PROBABILITIES) against without, each with where 4 steps' time goes by kernel; probs-quality, the synthetic tasks' accuracy with it
@@ -18,6 +18,10 @@
 # it launched as each kernel exits (common.PDL_EARLY_TRIGGER), fp8 weights and KV (with where 4 steps'
 # time goes by kernel) and bf16; pdl8k: the Zipage reasoning-8k run with fp8 weights and KV, with it
 # (PDL_EARLY_TRIGGER=True: the next kernel launched early; default False, as each kernel exits).
+# registers: the float8 decode kernel (widening) with its registers capped (paged_decode.
+# FP8_WIDENING_MAX_REGISTERS at 112, 104 and 96) against the compiler's count: its CUDA test, the kernel
+# alone (equal contexts and random ones), then whole decode steps with the cap REGISTERS (default 96) and without;
+# registers8k: the Zipage reasoning-8k run with that cap (zipage8k runs it without).
 #
 # Each part prints its table; RESULTS (default out/fp8) gets the JSON files.
 set -euo pipefail
@@ -25,9 +29,11 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 part=${1:-all}
 RESULTS=${RESULTS:-out/fp8}
-case "$part" in tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma|quantizers|pdl|pdl8k) ;;
+case "$part" in
+  tests|attention|decode|zipage8k|full8k|all|probs|probs-quality|probs8k|gemm-tma|quantizers|pdl|pdl8k|registers) ;;
+  registers8k) ;;
   *) echo "PART must be tests, attention, decode, zipage8k, full8k, all, probs, probs-quality, probs8k, gemm-tma," \
-          "quantizers, pdl or pdl8k," \
+          "quantizers, pdl, pdl8k, registers or registers8k," \
           "got '$part'" >&2
      exit 2 ;; esac
 source scripts/gpu_common.sh
@@ -35,6 +41,10 @@ require_cuda "measures fp8"
 mkdir -p "$RESULTS"
 FP8="--quantization fp8 --kv-cache-dtype fp8"
 PROBS_MAX_REGISTERS=${PROBS_MAX_REGISTERS:-128}
+REGISTERS=${REGISTERS:-96}
+registers_cap() {  # python source that caps the float8 widening decode kernel's registers ($1: a count or None)
+  echo "from zipage.kernels import paged_decode; paged_decode.FP8_WIDENING_MAX_REGISTERS = $1"
+}
 probs_on() {  # python source that turns the float8 P @ V path on ($1: True or False)
   echo "from zipage.kernels import paged_decode; paged_decode.FP8_PROBABILITIES = $1
 paged_decode.FP8_PROBS_MAX_REGISTERS = $PROBS_MAX_REGISTERS"
@@ -114,6 +124,29 @@ if [ "$part" = pdl8k ]; then
 common.PDL_EARLY_TRIGGER = ${PDL_EARLY_TRIGGER:-False}
 from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench throughput --shape qwen3-8b --scale 1 \
     --workload reasoning-8k --modes zipage --hf-requests 0 $FP8 --out "$RESULTS/zipage-8k-pdl" 2>&1 \
+    | grep -v "it/s\]\|tok/s\]" | tail -12
+fi
+if [ "$part" = registers ]; then
+  stamp "the float8 decode kernels: CUDA test (capped, the same numbers)"
+  (ZIPAGE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q tests/test_fp8_kv.py \
+    -k "cuda_kernels_bf16" 2>&1 || true) | tail -15
+  for ragged in "" --ragged; do
+    stamp "decode attention, fp8 cache: the widening kernel with its registers capped ${ragged:+(random lengths)}"
+    python3 scripts/decode_tile_sweep.py --default-only --widening-registers 112,104,96 $ragged \
+      --batch 16,64,128,256 --context 1040,2048,4096 --out "$RESULTS/attention-registers${ragged/--/-}.json"
+  done
+  for cap in None "$REGISTERS"; do
+    stamp "whole decode steps, fp8 weights and KV, the widening kernel's registers capped at $cap"
+    python3 -c "import sys; $(registers_cap "$cap")
+from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench decode --shape qwen3-8b --batch 1,64,128,256 \
+      --modes graphs --steps 32 $FP8 --out "$RESULTS/decode-registers-$cap.json" 2>&1 | grep -v "it/s\]" | tail -6
+  done
+fi
+if [ "$part" = registers8k ]; then
+  stamp "reasoning-8k, zipage, fp8 weights and KV, the widening kernel's registers capped at $REGISTERS"
+  python3 -c "import sys; $(registers_cap "$REGISTERS")
+from zipage.cli import main; sys.exit(main(sys.argv[1:]))" bench throughput --shape qwen3-8b --scale 1 \
+    --workload reasoning-8k --modes zipage --hf-requests 0 $FP8 --out "$RESULTS/zipage-8k-registers-$REGISTERS" 2>&1 \
     | grep -v "it/s\]\|tok/s\]" | tail -12
 fi
 if [ "$part" = probs-quality ]; then

@@ -594,8 +594,15 @@ def test_cuda_kernels_bf16_match_the_twins():
     twin = paged_decode_attention_torch(*big, 128**-0.5, **scb)
     assert torch.isfinite(out).all()
     assert_close(out.float().cpu(), twin.double().cpu(), 2e-2)
-    # the same with P @ V on float8 matrix units, against the twin of its rounding
+    # the widening kernel with its registers capped (five programs an SM): the same numbers
     from zipage.kernels import paged_decode as pd
+    pd.FP8_WIDENING_MAX_REGISTERS = 96
+    try:
+        capped = paged_decode_attention(*big, 128**-0.5, **scb)
+    finally:
+        pd.FP8_WIDENING_MAX_REGISTERS = None
+    assert torch.equal(capped, out)
+    # the same with P @ V on float8 matrix units, against the twin of its rounding
     pd.FP8_PROBABILITIES = True
     try:
         out = paged_decode_attention(*big, 128**-0.5, **scb)

@@ -64,6 +64,12 @@ FP8_PROBABILITIES = False
 # 23, compiled for sm_90. On an H200, from 16 requests on, uncapped ran 13-28% slower than 128
 # (scripts/decode_tile_sweep.py).
 FP8_PROBS_MAX_REGISTERS = None
+# Registers a thread of the widening kernel may hold with a float8 cache (Triton's ``maxnreg``; None: as
+# the compiler needs). Compiled for sm_90 with Triton 3.6 at Qwen3-8B heads it takes 128, so four
+# programs fit an SM where their shared memory (41 KB each) would allow five; capped at 96 it fits
+# five with nothing spilled, for 7% more instructions. ``bash scripts/gpu_fp8.sh registers`` times
+# the caps (decode attention alone, whole decode steps, reasoning-8k).
+FP8_WIDENING_MAX_REGISTERS = None
 
 _LOG2_E = 1.4426950408889634
 
@@ -622,6 +628,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         kernel = _decode_split_kernel
         constexprs.update(FP8=fp8, HALVES=_halves(head_dim, k_cache.dtype), V_TOKEN_MAJOR=values_token_major,
                           PAGE_PER_TILE=page_per_tile)
+        if fp8 and FP8_WIDENING_MAX_REGISTERS is not None and q.device.type == "cuda":
+            options["maxnreg"] = FP8_WIDENING_MAX_REGISTERS
     launch_kernel(kernel, (batch, num_kv_heads, num_splits), args, constexprs, launches, **options)
     if not single_split:
         args = (partial_out, partial_lse, context_lens, out, out.stride(0), out.stride(1), num_heads, num_splits,
