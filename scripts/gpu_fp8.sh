@@ -19,7 +19,7 @@
 # time goes by kernel) and bf16; pdl8k: the Zipage reasoning-8k run with fp8 weights and KV, with it
 # (PDL_EARLY_TRIGGER=True: the next kernel launched early; default False, as each kernel exits).
 # registers: the float8 decode kernel (widening) with its registers capped (paged_decode.
-# FP8_WIDENING_MAX_REGISTERS at 112, 104 and 96) against the compiler's count: its CUDA test, the kernel
+# FP8_WIDENING_MAX_REGISTERS at 96 and 88) against the compiler's count: its CUDA test, the kernel
 # alone (equal contexts and random ones), then whole decode steps with the cap REGISTERS (default 96) and without;
 # registers8k: the Zipage reasoning-8k run with that cap (zipage8k runs it without).
 #
@@ -132,7 +132,7 @@ if [ "$part" = registers ]; then
     -k "cuda_kernels_bf16" 2>&1 || true) | tail -15
   for ragged in "" --ragged; do
     stamp "decode attention, fp8 cache: the widening kernel with its registers capped ${ragged:+(random lengths)}"
-    python3 scripts/decode_tile_sweep.py --default-only --widening-registers 112,104,96 $ragged \
+    python3 scripts/decode_tile_sweep.py --default-only --widening-registers 96,88 $ragged \
       --batch 16,64,128,256 --context 1040,2048,4096 --out "$RESULTS/attention-registers${ragged/--/-}.json"
   done
   for cap in None "$REGISTERS"; do
