@@ -67,8 +67,9 @@ FP8_PROBS_MAX_REGISTERS = None
 # Registers a thread of the widening kernel may hold with a float8 cache (Triton's ``maxnreg``; None: as
 # the compiler needs). Compiled for sm_90 with Triton 3.6 at Qwen3-8B heads it takes 128, so four
 # programs fit an SM where their shared memory (41 KB each) would allow five; capped at 96 it fits
-# five with nothing spilled, for 7% more instructions. ``bash scripts/gpu_fp8.sh registers`` times
-# the caps (decode attention alone, whole decode steps, reasoning-8k).
+# five with nothing spilled, for 7% more instructions (registers are granted 8 a thread at a time: no
+# cap above 96 fits a fifth). Not yet timed: ``bash scripts/gpu_fp8.sh registers`` (decode attention
+# alone, whole decode steps) and ``registers8k`` (reasoning-8k) measure it.
 FP8_WIDENING_MAX_REGISTERS = None
 
 _LOG2_E = 1.4426950408889634
