@@ -3,8 +3,11 @@
 #   bash scripts/gpu_tp.sh PART [TP]        TP: GPUs per model (default 2)
 #
 #   test        the tensor-parallel tests on CUDA (NCCL, CUDA graphs): sharded layers and models against
-#               one process, the engine's greedy tokens at TP=2 against size 1 (full KV, compression)
+#               one process, the engine's greedy tokens at TP=2 against size 1 (full KV, compression);
+#               TEST_TIMEOUT (default 540 s) bounds them, TESTS (a pytest -k expression, e.g. engine) picks some
 #   decode      whole decode steps, Qwen3-8B shape, batch 1/64/256, context 1,024: TP=1, then TP
+#   profile     the same at batch 64 and 256 with where 4 steps' time goes by kernel kind (collectives,
+#               matmuls, attention, ...), rank 0's kernels: TP=1, then TP
 #   zipage8k    the standard reasoning-8k run, Zipage, at TP (TP=1 for comparison: TP=1 as the argument)
 #   full8k      the same with full KV
 #   32b-zipage  the Qwen3-32B shape at TP, Zipage, reasoning-8k, with the KV cache two 80 GB cards hold
@@ -27,8 +30,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 part=${1:-}
 tp=${2:-2}
 RESULTS=${RESULTS:-out/tp}
-case "$part" in test|decode|zipage8k|full8k|32b-zipage|32b-full) ;;
-  *) echo "PART must be test, decode, zipage8k, full8k, 32b-zipage or 32b-full, got '$part'" >&2; exit 2 ;; esac
+case "$part" in test|decode|profile|zipage8k|full8k|32b-zipage|32b-full) ;;
+  *) echo "PART must be test, decode, profile, zipage8k, full8k, 32b-zipage or 32b-full, got '$part'" >&2; exit 2 ;; esac
 if ! [[ "$tp" =~ ^[1-9][0-9]*$ ]]; then
   echo "TP must be a whole number of GPUs >= 1, got '$tp'" >&2
   exit 2
@@ -55,13 +58,19 @@ throughput() {  # SHAPE MODE [extra options]
 case "$part" in
   test)
     stamp "tensor-parallel tests on CUDA"
-    ZIPAGE_TEST_DEVICE=cuda TRITON_INTERPRET=0 timeout 540 python3 -m pytest -q -x -p no:cacheprovider \
-      tests/test_tensor_parallel.py 2>&1 | tail -5 ;;
+    ZIPAGE_TEST_DEVICE=cuda TRITON_INTERPRET=0 timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -x -p no:cacheprovider \
+      ${TESTS:+-k "$TESTS"} tests/test_tensor_parallel.py 2>&1 | tail -5 ;;
   decode)
     for size in 1 "$tp"; do
       stamp "whole decode steps, Qwen3-8B shape, TP=$size"
       python3 -m zipage.cli bench decode --shape qwen3-8b --batch 1,64,256 --modes graphs --steps 32 \
         --tensor-parallel-size "$size" --out "$RESULTS/decode-tp$size.json" 2>&1 | grep -v "it/s\]" | tail -4
+    done ;;
+  profile)
+    for size in 1 "$tp"; do
+      stamp "where decode steps' time goes, Qwen3-8B shape, TP=$size"
+      python3 -m zipage.cli bench decode --shape qwen3-8b --batch 64,256 --modes graphs --steps 32 --profile-steps 4 \
+        --tensor-parallel-size "$size" --out "$RESULTS/decode-profile-tp$size.json" 2>&1 | grep -v "it/s\]" | tail -24
     done ;;
   zipage8k) throughput qwen3-8b zipage ;;
   full8k) throughput qwen3-8b full ;;

@@ -225,6 +225,14 @@ def test_throughput_benchmark_tensor_parallel(tmp_path):
     metrics = result["modes"]["zipage"]
     assert metrics["output_tokens"] == result["workload"]["output_tokens"] and metrics["blocks_returned"]
     assert result["modes"]["zipage"]["num_compressions"] > 0
+    # the roofline counts one rank's share of the cache, as `bench decode` does: half the KV heads
+    from zipage.bench.common import model_dir_for
+    from zipage.bench.throughput import rank_spec
+    from zipage.runner.kv_cache import bytes_per_block
+
+    spec = rank_spec(model_dir_for(None, "tiny", "qwen3")[0], 1)
+    assert spec.num_kv_heads % 2 == 0
+    assert 2 * metrics["roofline_bytes"]["kv_per_token"] == bytes_per_block(spec, 1, torch.float32)
 
 
 def test_replay_reproduces_the_engine_schedule(tmp_path):

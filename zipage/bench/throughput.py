@@ -253,7 +253,9 @@ def run_mode(mode: str, args, settings: dict, model_dir: str, load_format: str, 
     setup_start = time.perf_counter()
     llm = LLM(model_dir, **kwargs)
     engine, runner = llm.engine, llm.engine.runner
-    kv_per_token = bytes_per_block(runner.spec, 1, runner.kv_dtype)  # the cache's bytes: float8 with its scales
+    # One GPU's share, as each rank reads its own at the same time (with tensor parallelism rank 0's
+    # KV heads and shards of the weights); float8: the cache's bytes with their scales
+    kv_per_token = bytes_per_block(runner.model.local_spec, 1, runner.kv_dtype)
     weight_bytes = _weight_bytes(runner.model)
     warm_up(engine, runner, opts, requests)
     setup_s = time.perf_counter() - setup_start  # engine start (weights, graphs, compiles) and warm-up

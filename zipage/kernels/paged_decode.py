@@ -68,8 +68,9 @@ FP8_PROBS_MAX_REGISTERS = None
 # the compiler needs). Compiled for sm_90 with Triton 3.6 at Qwen3-8B heads it takes 128, so four
 # programs fit an SM where their shared memory (41 KB each) would allow five; capped at 96 it fits
 # five with nothing spilled, for 7% more instructions (registers are granted 8 a thread at a time: no
-# cap above 96 fits a fifth). Not yet timed: ``bash scripts/gpu_fp8.sh registers`` (decode attention
-# alone, whole decode steps) and ``registers8k`` (reasoning-8k) measure it.
+# cap above 96 fits a fifth). On an H200 the cap at 96 ran decode attention 3-14% faster with random
+# context lengths but up to 15% slower with equal ones at 64-128 requests, and whole decode steps 1-3%
+# slower (docs/fp8.md; ``bash scripts/gpu_fp8.sh registers``), so it is off.
 FP8_WIDENING_MAX_REGISTERS = None
 
 _LOG2_E = 1.4426950408889634
