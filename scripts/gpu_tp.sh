@@ -8,6 +8,8 @@
 #   decode      whole decode steps, Qwen3-8B shape, batch 1/64/256, context 1,024: TP=1, then TP
 #   profile     the same at batch 64 and 256 with where 4 steps' time goes by kernel kind (collectives,
 #               matmuls, attention, ...), rank 0's kernels: TP=1, then TP
+#   allreduce   one all-reduce at a step's sizes (1-256 rows of 4,096 bf16) in CUDA graphs: NCCL against
+#               PyTorch's symmetric-memory one-shot and two-shot kernels (scripts/allreduce_sweep.py)
 #   zipage8k    the standard reasoning-8k run, Zipage, at TP (TP=1 for comparison: TP=1 as the argument)
 #   full8k      the same with full KV
 #   32b-zipage  the Qwen3-32B shape at TP, Zipage, reasoning-8k, with the KV cache two 80 GB cards hold
@@ -30,8 +32,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 part=${1:-}
 tp=${2:-2}
 RESULTS=${RESULTS:-out/tp}
-case "$part" in test|decode|profile|zipage8k|full8k|32b-zipage|32b-full) ;;
-  *) echo "PART must be test, decode, profile, zipage8k, full8k, 32b-zipage or 32b-full, got '$part'" >&2; exit 2 ;; esac
+case "$part" in test|decode|profile|allreduce|zipage8k|full8k|32b-zipage|32b-full) ;;
+  *) echo "PART must be test, decode, profile, allreduce, zipage8k, full8k, 32b-zipage or 32b-full, got '$part'" >&2; exit 2 ;; esac
 if ! [[ "$tp" =~ ^[1-9][0-9]*$ ]]; then
   echo "TP must be a whole number of GPUs >= 1, got '$tp'" >&2
   exit 2
@@ -72,6 +74,9 @@ case "$part" in
       python3 -m zipage.cli bench decode --shape qwen3-8b --batch 64,256 --modes graphs --steps 32 --profile-steps 4 \
         --tensor-parallel-size "$size" --out "$RESULTS/decode-profile-tp$size.json" 2>&1 | grep -v "it/s\]" | tail -24
     done ;;
+  allreduce)
+    stamp "all-reduce at a decode step's sizes, TP=$tp: NCCL against symmetric memory"
+    python3 scripts/allreduce_sweep.py --gpus "$tp" --out "$RESULTS/allreduce-tp$tp.json" 2>&1 | tail -12 ;;
   zipage8k) throughput qwen3-8b zipage ;;
   full8k) throughput qwen3-8b full ;;
   32b-zipage|32b-full)

@@ -19,7 +19,7 @@ def test_script_parses(script):
     ("gpu_fp8.sh",
      "PART must be tests, attention, decode, zipage8k, full8k, all, probs, probs-quality, probs8k, gemm-tma, "
      "quantizers, pdl, pdl8k, registers or ratio8k"),
-    ("gpu_tp.sh", "PART must be test, decode, profile, zipage8k, full8k, 32b-zipage or 32b-full"),
+    ("gpu_tp.sh", "PART must be test, decode, profile, allreduce, zipage8k, full8k, 32b-zipage or 32b-full"),
     ("gpu_quality_tasks.sh", "PART must be train, compare, all or fp8"),
 ])
 def test_script_refuses_an_unknown_part(script, message):

@@ -702,3 +702,31 @@ def test_a_dead_follower_shuts_the_group_down(tp2_faults):
     error = r["dead_error"]
     assert error and "TensorParallelFailed" in error and "rank 1 exited with code -9" in error, error
     assert r["dead_seconds"] < FAULT_BOUND_S
+
+
+def test_allreduce_sweep_harness_on_gloo(tmp_path):
+    """scripts/allreduce_sweep.py (all-reduce variants at a decode step's sizes, for GPUs) runs its
+    harness on two CPU ranks: each size's sum is checked and timed, the symmetric-memory variants
+    are reported as needing CUDA, and fewer than two ranks is refused."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "allreduce_sweep.py"
+    out = tmp_path / "allreduce.json"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--rows", "1,3", "--hidden", "32",
+                           "--calls", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["rows"], r["variant"]) for r in rows} == {(n, v) for n in (1, 3)
+                                                        for v in ("nccl", "one_shot", "two_shot")}
+    for r in rows:
+        assert r["bytes"] == r["rows"] * 32 * 4
+        if r["variant"] == "nccl":
+            assert r["equal_to_nccl"] and r["us"] > 0
+        else:
+            assert r["unavailable"] == "needs CUDA" and "us" not in r
+    refused = subprocess.run([sys.executable, str(script), "--device", "cpu", "--gpus", "1"], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "--gpus must be >= 2, got 1" in refused.stderr
