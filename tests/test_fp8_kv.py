@@ -712,3 +712,46 @@ def test_cuda_engine_fp8_with_cuda_graphs(tiny_model, compressed):
     _, eager = _run(tiny_model, "fp8", compression, dtype="bfloat16", enforce_eager=True)
     worst, _, _ = compare_to_unquantized(fp8, eager, near_ties=False)
     assert worst < 0.3
+
+
+@cuda
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("query", [False, True], ids=["no-window", "window"])
+def test_cuda_norm_rope_store_is_the_two_kernels(cache, query):
+    """On the GPU in bfloat16, at Qwen3-8B heads: the fused query/key norm, RoPE and KV store
+    (kernels/norm_rope.py) gives the two kernels' numbers bit for bit (rotated q and k, cache
+    slots, float8 scales with the values token-major, observation-window rows)."""
+    from zipage.kernels.norm_rope import norm_rope_store_kv, norm_rope_triton
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    tokens, heads, kv_heads, head_dim, blocks, block_size = 77, 32, 8, 128, 40, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=dev, generator=g).bfloat16()
+    q, k, v = (t.view(tokens, -1, head_dim)
+               for t in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1))
+    positions = torch.randint(0, 4000, (tokens,), device=dev, generator=g)
+    angles = torch.rand(4096, head_dim // 2, device=dev, generator=g) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1)
+    weights = [torch.randn(head_dim, device=dev, generator=g).bfloat16() for _ in range(2)]
+    slots = torch.randperm(blocks * block_size, device=dev, generator=g)[:tokens]
+    slots[[3, 10]] = -1
+    rows = torch.randperm(100, device=dev, generator=g)[:tokens]  # distinct rows, as the engine gives
+    results = []
+    for fused in (True, False):
+        k_cache = torch.zeros(blocks, block_size, kv_heads, head_dim, device=dev).to(
+            FP8_DTYPE if cache == "fp8" else torch.bfloat16)
+        v_cache = token_major(k_cache) if cache == "fp8" else k_cache.clone()
+        scales = dict(k_scale=torch.zeros(blocks, block_size, kv_heads, device=dev),
+                      v_scale=torch.zeros(blocks, block_size, kv_heads, device=dev)) if cache == "fp8" else {}
+        query_cache = torch.zeros(100, heads, head_dim, device=dev, dtype=torch.bfloat16) if query else None
+        window = (query_cache, rows) if query else (None, None)
+        if fused:
+            q_out, k_out = norm_rope_store_kv(positions, q, k, v, cos_sin, *weights, 1e-6, k_cache, v_cache, slots,
+                                              *window, **scales)
+        else:
+            q_out, k_out = norm_rope_triton(positions, q, k, cos_sin, *weights, 1e-6)
+            store_kv(k_out, v, k_cache, v_cache, slots, q_out if query else None, *window, **scales)
+        results.append([q_out, k_out, k_cache.float(), v_cache.float(), *scales.values(),
+                        *([query_cache] if query else [])])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

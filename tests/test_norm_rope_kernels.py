@@ -90,6 +90,60 @@ def test_norm_rope_kernel_matches_twins_and_reference(dtype, heads, kv_heads, he
         assert_close(out, reference_rope(reference_norm(x, w), positions, cos_sin), TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype, heads, kv_heads, head_dim, norm, cache, query", [
+    (torch.float32, 6, 2, 32, True, "model", True),
+    (torch.float16, 4, 4, 16, False, "model", False),
+    (torch.float32, 5, 1, 32, True, "fp8", True),
+    (torch.float16, 6, 2, 16, True, "fp8", False),
+])
+def test_norm_rope_store_is_norm_rope_then_store(dtype, heads, kv_heads, head_dim, norm, cache, query):
+    """The fused kernel (query/key norm, RoPE and the KV store in one launch) gives what the two
+    kernels give one after the other, bit for bit: the rotated queries and keys, the cache slots
+    (float8 with their scales, the values token-major, as the engine keeps a float8 cache), the
+    observation-window rows, and nothing at padding slots."""
+    require_triton()
+    from zipage.kernels.common import FP8_DTYPE
+    from zipage.kernels.norm_rope import norm_rope_store_kv
+    from zipage.kernels.store_kv import store_kv
+
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    tokens, blocks, block_size = 11, 4, 8
+    qkv = _randn(gen, tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))  # strided views, as in the model
+    k = k * torch.logspace(-3, 2, tokens)[:, None, None].to(dtype)  # rows of every size: the scales differ
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    angles = torch.rand(64, head_dim // 2, generator=gen) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    weights = (_randn(gen, head_dim, dtype=dtype), _randn(gen, head_dim, dtype=dtype)) if norm else (None, None)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    slots[[1, 6]] = -1  # padding rows
+    rows = torch.randperm(16, generator=gen)[:tokens]  # distinct, as the engine gives (or a spare row)
+    results = []
+    for fused in (True, False):
+        cache_dtype = FP8_DTYPE if cache == "fp8" else dtype
+        k_cache = torch.full((blocks, block_size, kv_heads, head_dim), 3.0).to(cache_dtype)
+        v_cache = k_cache.movedim(-3, -1).contiguous().movedim(-1, -3) if cache == "fp8" else k_cache.clone()
+        scales = dict(k_scale=torch.full((blocks, block_size, kv_heads), -1.0),
+                      v_scale=torch.full((blocks, block_size, kv_heads), -1.0)) if cache == "fp8" else {}
+        query_cache = torch.zeros(16, heads, head_dim, dtype=dtype) if query else None
+        window = (query_cache, rows) if query else (None, None)
+        if fused:
+            q_out, k_out = norm_rope_store_kv(positions, q, k, v, cos_sin, *weights, EPS, k_cache, v_cache, slots,
+                                              *window, **scales)
+        else:
+            q_out, k_out = norm_rope_triton(positions, q, k, cos_sin, *weights, EPS)
+            store_kv(k_out, v, k_cache, v_cache, slots, q_out if query else None, *window, **scales)
+        results.append([q_out, k_out, k_cache.float(), v_cache.float(), *scales.values(),
+                        *([query_cache] if query else [])])
+    for fused, separate in zip(*results):
+        assert torch.equal(fused, separate)
+    k_cache = results[0][2].view(-1, kv_heads, head_dim)
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert torch.all(k_cache[untouched] == 3) and not torch.all(k_cache[~untouched] == 3)
+
+
 def test_no_tokens():
     require_triton()
     x = torch.empty(0, 64)
@@ -132,3 +186,50 @@ def test_a_model_with_the_kernels_gives_transformers_tokens(arch, checkpoint_dir
     assert calls["rms_norm"] > 0 and calls["add_rms_norm"] > 0 and calls[rope] > 0
     for prompt, out in zip(prompts, outputs):
         assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, 6)
+
+
+@pytest.mark.parametrize("kv_cache_dtype, compressed", [("auto", False), ("auto", True), ("fp8", True)])
+def test_engine_norms_rotates_and_stores_in_one_launch(kv_cache_dtype, compressed, checkpoint_dir, hf_greedy,
+                                                       monkeypatch):
+    """With the Triton backend and fusion on (as on CUDA), each layer's query/key norm, RoPE and KV
+    store run as one launch, also under compression (the queries into the observation window too):
+    the greedy tokens are those of the two launches, and without compression transformers'."""
+    require_triton()
+    from tests.conftest import assert_pool_full
+    from zipage import CompressionConfig, SamplingParams
+    from zipage.attention import triton_backend
+    from zipage.kernels import norm_rope
+
+    model_dir = checkpoint_dir("qwen3")
+    prompts = [[5 + i, 17, 33 + 2 * i, 8, 90 - i] * (4 + i) for i in range(2)]  # 20 and 25 tokens
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    launches = {"fused": 0}
+    fused_kernel = norm_rope.norm_rope_store_kv
+
+    def counted(*args, **kwargs):
+        launches["fused"] += 1
+        return fused_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(norm_rope, "norm_rope_store_kv", counted)
+    tokens = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(triton_backend, "FUSE_ROPE_STORE", fuse)
+        llm = make_llm(model_dir, block_size=16, max_model_len=128, kv_cache_dtype=kv_cache_dtype,
+                       compression=CompressionConfig(max_blocks_per_seq=2) if compressed else None)
+        runner = llm.engine.runner
+        runner.backend = triton_backend.TritonBackend(use_flash_prefill=False)
+        for layer in runner.model.attention_layers():
+            layer.backend = runner.backend
+        before = launches["fused"]
+        fusion.enable_fusion(True)  # process-wide, and the engine was built with it off (CPU)
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            fusion.enable_fusion(False)
+        assert (launches["fused"] > before) == fuse
+        assert (llm.engine.stats.num_compressions > 0) == compressed
+        assert_pool_full(llm)
+        tokens[fuse] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens[True] == tokens[False]
+    if not compressed:
+        assert tokens[True] == [hf_greedy(model_dir, p, 16) for p in prompts]

@@ -45,9 +45,15 @@ from zipage.kernels.common import multiprocessor_count, token_major
 from zipage.kernels.merge_parts import merge_parts, merge_parts_torch
 from zipage.kernels.paged_decode import paged_decode_attention
 from zipage.kernels.paged_prefill import paged_prefill_attention
+from zipage.kernels import norm_rope
 from zipage.kernels.store_kv import store_kv
+from zipage.layers.fusion import fusion_enabled
 
 logger = logging.getLogger(__name__)
+
+# Each layer's query/key norm and RoPE and its KV store in one launch (``kernels/norm_rope.py``) instead
+# of two; the same numbers (docs/design.md). False: two launches.
+FUSE_ROPE_STORE = True
 
 try:
     from torch.nn.attention.varlen import AuxRequest, varlen_attn
@@ -341,6 +347,20 @@ class TritonBackend(AttentionBackend):
                  *, k_scale=None, v_scale=None, launches=None):
         store_kv(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots,
                  k_scale=k_scale, v_scale=v_scale, launches=launches)
+
+    @property
+    def fuses_rope_store(self) -> bool:
+        # the norm and RoPE run as a Triton kernel only with fusion on (CUDA, not enforce_eager)
+        return FUSE_ROPE_STORE and norm_rope.AVAILABLE and fusion_enabled()
+
+    def norm_rope_store_kv(self, rope, q, k, v, k_cache, v_cache, slot_mapping, query_cache=None,
+                           query_slots=None, *, k_scale=None, v_scale=None, launches=None):
+        if not self.fuses_rope_store:
+            return super().norm_rope_store_kv(rope, q, k, v, k_cache, v_cache, slot_mapping, query_cache,
+                                              query_slots, k_scale=k_scale, v_scale=v_scale, launches=launches)
+        return norm_rope.norm_rope_store_kv(rope.positions, q, k, v, rope.cos_sin, rope.q_weight, rope.k_weight,
+                                            rope.eps, k_cache, v_cache, slot_mapping, query_cache, query_slots,
+                                            k_scale=k_scale, v_scale=v_scale, launches=launches)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None):
         flash_ok = (self.use_flash_prefill and q.dtype != torch.float32

@@ -33,9 +33,18 @@ if triton is not None:
         """float32 rows [R, D] -> (float8e4nv rows, float32 scale [R]); the same numbers as
         quantize_fp8_torch. Rounds to the e4m3 grid (to nearest, ties to even) in float32
         first, so that the cast is exact on every backend (the interpreter's cast truncates)."""
-        amax = tl.max(tl.abs(x), 1)
+        scale = fp8_row_scale(tl.max(tl.abs(x), 1))
+        return round_to_fp8(x, scale), scale
+
+    @triton.jit
+    def fp8_row_scale(amax):
+        """The float32 scale of rows whose largest magnitude is ``amax`` [R] (``quantize_fp8_rows``)."""
         # IEEE divisions (a plain "/" is approximate on NVIDIA GPUs): the twin's numbers exactly
-        scale = tl.math.div_rn(tl.maximum(amax, _FP8_AMAX_FLOOR), _FP8_MAX)
+        return tl.math.div_rn(tl.maximum(amax, _FP8_AMAX_FLOOR), _FP8_MAX)
+
+    @triton.jit
+    def round_to_fp8(x, scale):
+        """float32 rows [R, D] over their ``scale`` [R], rounded to float8e4nv (``quantize_fp8_rows``)."""
         y = tl.math.div_rn(x, scale[:, None])
         y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
         bits = y.to(tl.int32, bitcast=True)
@@ -43,7 +52,7 @@ if triton is not None:
         quantum = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3)
         inverse = ((130 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^(3 - exponent)
         rounded = ((y * inverse + 12582912.0) - 12582912.0) * quantum  # 1.5 * 2^23: round to an integer
-        return rounded.to(tl.float8e4nv), scale
+        return rounded.to(tl.float8e4nv)
 
     @triton.jit
     def _store_kv_kernel(

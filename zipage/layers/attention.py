@@ -8,6 +8,7 @@ from torch import nn
 from zipage.attention.backend import dense_causal_attention
 from zipage.attention.metadata import get_attention_metadata
 from zipage.kernels.common import StepLaunches
+from zipage.layers.rotary import RopeInputs
 
 
 class Attention(nn.Module):
@@ -24,22 +25,27 @@ class Attention(nn.Module):
         self.query_cache: torch.Tensor | None = None  # [slots * window + 1, heads, dim] with compression
         self.backend = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None,
+                rope: RopeInputs | None = None) -> torch.Tensor:
         """``q`` [tokens, heads, dim], ``k``/``v`` [tokens, kv_heads, dim] -> [tokens, heads, dim],
-        written into ``out`` when given (a step's static buffer: no copy of the result)."""
+        written into ``out`` when given (a step's static buffer: no copy of the result). With
+        ``rope``, ``q`` and ``k`` are not rotated yet: the backend rotates them as it stores them."""
         meta = get_attention_metadata()
         if self.k_cache.numel() == 0:  # memory profiling run, before the cache exists
+            if rope is not None:
+                q, k = rope.apply(q, k)
             return dense_causal_attention(q, k, v, meta.cu_seqlens_q.tolist(), self.scale)
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)  # None but with a float8 cache
         if meta.is_prefill and meta.launches is None and q.is_cuda:  # an eager step: layer after layer
             meta.launches = StepLaunches()
-        if meta.query_slots is not None:  # with compression: q into the observation window, same launch
-            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
-                                  q, self.query_cache, meta.query_slots, launches=meta.launches, **scales)
+        # with compression: q into the observation window, in the same launch
+        window = (self.query_cache, meta.query_slots) if meta.query_slots is not None else (None, None)
+        if rope is not None:
+            q, k = self.backend.norm_rope_store_kv(rope, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                                   *window, launches=meta.launches, **scales)
         else:
-            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, launches=meta.launches,
-                                  **scales)
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                  q if window[0] is not None else None, *window, launches=meta.launches, **scales)
         if meta.decode_part is not None:  # decodes beside prompt chunks: each through its own kernel
             d = meta.decode_part.context_lens.shape[0]
             out = torch.empty_like(q) if out is None else out

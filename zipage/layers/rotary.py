@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -64,3 +65,21 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate ``q`` [tokens, heads, dim] and ``k`` [tokens, kv_heads, dim] by position."""
         return apply_rope(positions, q, k, self.cos_sin)
+
+
+@dataclass
+class RopeInputs:
+    """A layer's query/key norm (Qwen3: per-head weights; None without) and RoPE, handed to the
+    attention layer so that a backend can rotate and store the keys in one launch
+    (``AttentionBackend.norm_rope_store_kv``)."""
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm and RoPE alone: rotated ``(q, k)``."""
+        if self.q_weight is None:
+            return apply_rope(self.positions, q, k, self.cos_sin)
+        return norm_and_apply_rope(self.positions, q, k, self.cos_sin, self.q_weight, self.k_weight, self.eps)

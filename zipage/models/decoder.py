@@ -21,7 +21,7 @@ from zipage.layers.embedding import LMHead, VocabEmbedding
 from zipage.layers.linear import RowParallelLinear, gate_up_linear, local_heads, qkv_linear
 from zipage.layers.moe import SparseMoE
 from zipage.layers.norm import RMSNorm
-from zipage.layers.rotary import RotaryEmbedding, norm_and_apply_rope
+from zipage.layers.rotary import RopeInputs, RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -68,18 +68,22 @@ class DecoderAttention(nn.Module):
         self.qk_norm = spec.qk_norm
         self.attn = Attention(layer_index, self.num_heads, self.num_kv_heads, spec.head_dim, spec.head_dim ** -0.5)
 
-    def project(self, positions: torch.Tensor, hidden: torch.Tensor):
-        """Queries, keys and values of ``hidden``, rotated: [tokens, heads or kv_heads, head_dim]."""
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor, rotate: bool = True):
+        """Queries, keys and values of ``hidden``: [tokens, heads or kv_heads, head_dim], the queries
+        and keys normed (Qwen3) and rotated unless ``rotate`` is False (``rope_inputs`` then says how)."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = norm_and_apply_rope(positions, q, k, self.rotary_emb.cos_sin, self.q_norm.weight,
-                                       self.k_norm.weight, self.q_norm.eps)
-        else:
-            q, k = self.rotary_emb(positions, q, k)
+        if rotate:
+            q, k = self.rope_inputs(positions).apply(q, k)
         return q, k, v
+
+    def rope_inputs(self, positions: torch.Tensor) -> RopeInputs:
+        if self.qk_norm:
+            return RopeInputs(positions, self.rotary_emb.cos_sin, self.q_norm.weight, self.k_norm.weight,
+                              self.q_norm.eps)
+        return RopeInputs(positions, self.rotary_emb.cos_sin)
 
 
 class DecoderMLP(nn.Module):
@@ -114,13 +118,14 @@ class DecoderLayer(nn.Module):
 
     # The layer in two halves around its attention, which alone reads the step's metadata and the
     # cache: CUDA graphs of prefill steps capture the halves (runner/piecewise_graph.py).
-    def before_attention(self, positions, hidden, residual):
-        """Norm and projections: (q, k, v, residual); ``residual`` None at the first layer."""
+    def before_attention(self, positions, hidden, residual, rotate: bool = True):
+        """Norm and projections: (q, k, v, residual); ``residual`` None at the first layer; ``rotate``
+        as for ``DecoderAttention.project``."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        return *self.self_attn.project(positions, hidden), residual
+        return *self.self_attn.project(positions, hidden, rotate), residual
 
     def after_attention(self, attn_out, residual):
         """Output projection, norm and MLP of the attention's output [tokens, heads, head_dim]:
@@ -130,8 +135,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def forward(self, positions, hidden, residual):
-        q, k, v, residual = self.before_attention(positions, hidden, residual)
-        return self.after_attention(self.self_attn.attn(q, k, v), residual)
+        # the attention layer norms and rotates q and k as it stores them (one launch on a GPU)
+        q, k, v, residual = self.before_attention(positions, hidden, residual, rotate=False)
+        return self.after_attention(self.self_attn.attn(q, k, v, rope=self.self_attn.rope_inputs(positions)),
+                                    residual)
 
 
 class DecoderModel(nn.Module):
