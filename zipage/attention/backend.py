@@ -27,13 +27,11 @@ class AttentionBackend:
         layer after layer, also passed to ``decode``; a backend without Triton kernels ignores it."""
         raise NotImplementedError
 
-    # Whether ``norm_rope_store_kv`` runs as one launch (else the attention layer rotates, then stores).
-    fuses_rope_store = False
-
     def norm_rope_store_kv(self, rope, q, k, v, k_cache, v_cache, slot_mapping, query_cache=None,
                            query_slots=None, *, k_scale=None, v_scale=None, launches=None):
         """``rope.apply(q, k)`` (a ``layers.rotary.RopeInputs``), then ``store_kv`` of the rotated
-        key, ``v`` and (with ``query_cache``) the rotated query: the rotated ``(q, k)``."""
+        key, ``v`` and (with ``query_cache``) the rotated query: the rotated ``(q, k)``. Here two
+        steps; a backend with a kernel for both does them in one launch."""
         q, k = rope.apply(q, k)
         self.store_kv(k, v, k_cache, v_cache, slot_mapping, q if query_cache is not None else None, query_cache,
                       query_slots, k_scale=k_scale, v_scale=v_scale, launches=launches)
