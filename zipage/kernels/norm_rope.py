@@ -14,7 +14,8 @@ order of a float32 sum.
 
 import torch
 
-from zipage.kernels.common import pdl_launch
+from zipage.kernels.common import launch_kernel, pdl_launch, split_pdl
+from zipage.kernels.store_kv import check_store_args
 
 try:
     import triton
@@ -287,9 +288,6 @@ def norm_rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     """``norm_rope_triton`` then ``store_kv.store_kv`` of the rotated key, ``v`` and (with
     ``query_cache``) the rotated query, in one launch; the same numbers. Returns the rotated
     ``(q, k)`` as ``norm_rope_triton`` does; the other arguments are ``store_kv``'s."""
-    from zipage.kernels.common import launch_kernel, split_pdl
-    from zipage.kernels.store_kv import _check_args
-
     assert q.dim() == k.dim() == 3
     q = q if q.stride(2) == 1 else q.contiguous()
     k = k if k.stride(2) == 1 else k.contiguous()
@@ -297,8 +295,8 @@ def norm_rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     has_query = query_cache is not None
-    _check_args(k, v, k_cache, v_cache, slot_mapping, q if has_query else None, query_cache, query_slots,
-                k_scale, v_scale)
+    check_store_args(k, v, k_cache, v_cache, slot_mapping, q if has_query else None, query_cache, query_slots,
+                     k_scale, v_scale)
     assert head_dim % 2 == 0 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
     assert cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == head_dim
     assert k_cache.stride(3) == 1 and slot_mapping.is_contiguous()

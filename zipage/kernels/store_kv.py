@@ -144,7 +144,7 @@ if triton is not None:
         tl.store(v_cache_ptr + v_offsets, value, mask=head_mask)
 
 
-def _check_args(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None,
+def check_store_args(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None,
                 k_scale=None, v_scale=None):
     assert key.shape == value.shape and key.dim() == 3
     assert (k_scale is None) == (v_scale is None) == (not is_fp8(k_cache.dtype)), \
@@ -173,7 +173,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache
     k_scale / v_scale ([num_blocks, block_size, kv_heads] float32) receive each row's scale.
     ``launches``: the step's ``common.StepLaunches`` when the call repeats layer after layer.
     """
-    _check_args(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots, k_scale, v_scale)
+    check_store_args(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots, k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = key.shape
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
     assert key.stride(2) == 1 and value.stride(2) == 1 and k_cache.stride(3) == 1
@@ -205,7 +205,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache
 def store_kv_torch(key, value, k_cache, v_cache, slot_mapping, query=None, query_cache=None, query_slots=None, *,
                    k_scale=None, v_scale=None):
     """PyTorch twin of store_kv (same arguments and semantics)."""
-    _check_args(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots, k_scale, v_scale)
+    check_store_args(key, value, k_cache, v_cache, slot_mapping, query, query_cache, query_slots, k_scale, v_scale)
     if query is not None:
         query_cache.index_copy_(0, query_slots.long(), query.to(query_cache.dtype))
     num_kv_heads, head_dim = key.shape[1:]
