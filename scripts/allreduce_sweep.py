@@ -1,7 +1,10 @@
-"""All-reduce at a decode step's sizes on this host's GPUs: NCCL (what the engine runs, through
+"""All-reduce at a decode step's sizes on this host's GPUs: NCCL (the engine's default, through
 ``torch.distributed.all_reduce``) against PyTorch's symmetric-memory kernels (the activations copied
 into a buffer every rank can read over NVLink, then ``one_shot_all_reduce``, each rank reading all
-peers' rows, or ``two_shot_all_reduce_``, a reduce-scatter then an all-gather).
+peers' rows, or ``two_shot_all_reduce_``, a reduce-scatter then an all-gather) and the engine's own
+one-shot kernel (``zipage``: ``all_reduce="one-shot"``, ``kernels/one_shot.py``). Two more rows
+time what the engine runs after each row-parallel projection, the sum then the residual add and
+RMSNorm: ``nccl+norm`` (NCCL, then the norm kernel) against ``zipage+norm`` (one fused kernel).
 
 A tensor-parallel decode step of Qwen3-8B runs 72 of them (two a layer), each summing
 ``rows x hidden`` bf16 values, rows being the step's requests. For each size every variant's sum is
@@ -29,7 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-VARIANTS = ("nccl", "one_shot", "two_shot")
+VARIANTS = ("nccl", "one_shot", "two_shot", "zipage", "nccl+norm", "zipage+norm")
+EPS = 1e-6
 TIMED_REPLAYS = 20
 
 
@@ -53,9 +57,30 @@ def _symmetric_buffer(numel: int, dtype: torch.dtype, device: torch.device, grou
 
 
 def _calls(variant: str, x: torch.Tensor, buf: torch.Tensor | None, group_name: str):
-    """One all-reduce of ``x`` by ``variant``: a function returning the summed tensor."""
+    """One all-reduce of ``x`` by ``variant``: a function returning the summed tensor (the +norm
+    variants: the norm of the sum plus a residual, whose weight and residual are fixed here)."""
     n = x.numel()
-    if variant == "nccl":
+    if variant.endswith("+norm"):
+        from zipage import distributed
+        from zipage.kernels.norm_rope import add_rms_norm_triton
+
+        g = torch.Generator(device="cpu").manual_seed(7)
+        residual = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
+        weight = torch.randn(x.shape[-1], generator=g).to(x.device, x.dtype)
+        if variant == "nccl+norm":
+            def call():
+                dist.all_reduce(x)
+                return add_rms_norm_triton(x, residual, weight, EPS)[0]
+        else:
+            def call():
+                return distributed.all_reduce_add_rms_norm(x, residual, weight, EPS)[0]
+        return call
+    if variant == "zipage":
+        from zipage import distributed
+
+        def call():
+            return distributed.all_reduce(x)
+    elif variant == "nccl":
         def call():
             dist.all_reduce(x)
             return x
@@ -106,14 +131,24 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, queue) ->
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=size)
+    from zipage import distributed
+
+    # the engine's group (torch.distributed's default group under it), as the engine's ranks join it
+    distributed.init_tensor_parallel(rank, size, "nccl" if device.type == "cuda" else "gloo",
+                                     f"tcp://127.0.0.1:{port}")
     try:
         group_name = dist.group.WORLD.group_name
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         rows_list = [int(r) for r in args.rows.split(",")]
         buf, why = (None, "needs CUDA") if device.type != "cuda" else \
             _symmetric_buffer(max(rows_list) * args.hidden, dtype, device, group_name)
+        ours_why = "needs CUDA"
+        if device.type == "cuda":
+            try:
+                distributed.enable_one_shot_all_reduce(device)
+                ours_why = None
+            except Exception as error:  # noqa: BLE001 - reported in the table
+                ours_why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
         results = []
         for rows in rows_list:
             g = torch.Generator(device="cpu").manual_seed(1000 * rank + rows)
@@ -122,13 +157,19 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, queue) ->
             dist.all_reduce(expected)
             for variant in VARIANTS:
                 row = dict(rows=rows, hidden=args.hidden, bytes=data.numel() * data.element_size(), variant=variant)
-                if variant != "nccl" and buf is None:
-                    results.append({**row, "unavailable": why})
+                missing = (why if buf is None else None) if variant in ("one_shot", "two_shot") else \
+                    ours_why if variant.startswith("zipage") else "needs CUDA" if variant == "nccl+norm" and \
+                    device.type != "cuda" else None
+                if missing:
+                    results.append({**row, "unavailable": missing})
                     continue
                 x = data.clone()
                 try:
                     got = _calls(variant, x, buf, group_name)()
-                    row["equal_to_nccl"] = bool(torch.equal(got, expected))
+                    want = expected
+                    if variant.endswith("+norm"):  # against NCCL's sum through the norm kernel
+                        want = _calls("nccl+norm", data.clone(), buf, group_name)()
+                    row["equal_to_nccl"] = bool(torch.equal(got, want))
                     x.zero_()  # timed on zeros: repeated sums stay finite
                     row["us"] = _time_us(_calls(variant, x, buf, group_name), args.calls, device)
                 except Exception as error:  # noqa: BLE001 - one variant failing never stops the sweep
@@ -137,7 +178,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, queue) ->
         if rank == 0:
             queue.put(results)
     finally:
-        dist.destroy_process_group()
+        distributed.destroy_tensor_parallel()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,13 +215,13 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
     for proc in procs:
         proc.join(timeout=60)
-    print(f"{'rows':>5} {'bytes':>9} " + " ".join(f"{v:>20}" for v in VARIANTS))
+    print(f"{'rows':>5} {'bytes':>9} " + " ".join(f"{v:>18}" for v in VARIANTS))
     for rows in sorted({r["rows"] for r in results}):
         cells = []
         for variant in VARIANTS:
             r = next(r for r in results if r["rows"] == rows and r["variant"] == variant)
-            cells.append(f"{'-':>20}" if "us" not in r else
-                         f"{r['us']:9.2f} us {'equal' if r['equal_to_nccl'] else 'DIFFERS':>7}")
+            cells.append(f"{'-':>18}" if "us" not in r else
+                         f"{r['us']:7.2f} us {'equal' if r['equal_to_nccl'] else 'DIFFERS':>7}")
         size = next(r["bytes"] for r in results if r["rows"] == rows)
         print(f"{rows:>5} {size:>9} " + " ".join(cells))
     for reason in sorted({r["unavailable"] for r in results if "unavailable" in r}):

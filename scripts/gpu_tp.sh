@@ -25,6 +25,8 @@
 # of the 32B runs (zipage bench replay --shape qwen3-32b --workload reasoning-8k --modes full,zipage
 # --kv-cache-tokens 241394 --tensor-parallel-size 2, on a CPU) gives 143 requests, 221 preemptions for
 # full KV, and 47 preemptions, 3,130 compressions and 98 query slots for Zipage.
+# ALL_REDUCE (default nccl; one-shot) picks how the GPUs sum partial outputs in decode, profile and
+# the reasoning-8k runs (EngineConfig.all_reduce).
 # RESULTS (default out/tp) gets each part's JSON; every line of output is also printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,7 +55,7 @@ throughput() {  # SHAPE MODE [extra options]
   shift 2
   stamp "reasoning-8k, $shape, $mode, TP=$tp"
   python3 -m zipage.cli bench throughput --shape "$shape" --scale "${SCALE:-1}" --workload reasoning-8k \
-    --modes "$mode" --hf-requests 0 --tensor-parallel-size "$tp" --out "$RESULTS/$shape-$mode-tp$tp" "$@" 2>&1 \
+    --modes "$mode" --hf-requests 0 --tensor-parallel-size "$tp" --all-reduce "${ALL_REDUCE:-nccl}" --out "$RESULTS/$shape-$mode-tp$tp" "$@" 2>&1 \
     | grep -v "it/s\]\|tok/s\]" | tail -12
 }
 
@@ -66,13 +68,13 @@ case "$part" in
     for size in 1 "$tp"; do
       stamp "whole decode steps, Qwen3-8B shape, TP=$size"
       python3 -m zipage.cli bench decode --shape qwen3-8b --batch 1,64,256 --modes graphs --steps 32 \
-        --tensor-parallel-size "$size" --out "$RESULTS/decode-tp$size.json" 2>&1 | grep -v "it/s\]" | tail -4
+        --tensor-parallel-size "$size" --all-reduce "${ALL_REDUCE:-nccl}" --out "$RESULTS/decode-tp$size.json" 2>&1 | grep -v "it/s\]" | tail -4
     done ;;
   profile)
     for size in 1 "$tp"; do
       stamp "where decode steps' time goes, Qwen3-8B shape, TP=$size"
       python3 -m zipage.cli bench decode --shape qwen3-8b --batch 64,256 --modes graphs --steps 32 --profile-steps 4 \
-        --tensor-parallel-size "$size" --out "$RESULTS/decode-profile-tp$size.json" 2>&1 | grep -v "it/s\]" | tail -24
+        --tensor-parallel-size "$size" --all-reduce "${ALL_REDUCE:-nccl}" --out "$RESULTS/decode-profile-tp$size.json" 2>&1 | grep -v "it/s\]" | tail -24
     done ;;
   allreduce)
     stamp "all-reduce at a decode step's sizes, TP=$tp: NCCL against symmetric memory"

@@ -398,6 +398,10 @@ ENGINE_VARIANTS = {
     "compressed-pieces": (dict(max_blocks_per_seq=3, asynchronous=True), True,
                           dict(piecewise_graph_tokens=64, max_num_batched_tokens=24)),
 }
+if ENGINE_DEVICE == "cuda":  # the one-shot all-reduce (GPUs only): sums fused into the norms
+    ENGINE_VARIANTS["full-kv-one-shot"] = (None, True, dict(all_reduce="one-shot"))
+    ENGINE_VARIANTS["compressed-one-shot"] = (dict(max_blocks_per_seq=3, asynchronous=True), True,
+                                              dict(all_reduce="one-shot"))
 
 
 def _engine_tokens(model_dir: str, tensor_parallel_size: int, variant: str, log=lambda stage: None
@@ -707,7 +711,8 @@ def test_a_dead_follower_shuts_the_group_down(tp2_faults):
 def test_allreduce_sweep_harness_on_gloo(tmp_path):
     """scripts/allreduce_sweep.py (all-reduce variants at a decode step's sizes, for GPUs) runs its
     harness on two CPU ranks: each size's sum is checked and timed, the symmetric-memory variants
-    are reported as needing CUDA, and fewer than two ranks is refused."""
+    (PyTorch's and the engine's one-shot kernel) and the norm ones are reported as needing CUDA,
+    and fewer than two ranks is refused."""
     import json
     import pathlib
     import subprocess
@@ -719,8 +724,8 @@ def test_allreduce_sweep_harness_on_gloo(tmp_path):
                            "--calls", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["rows"], r["variant"]) for r in rows} == {(n, v) for n in (1, 3)
-                                                        for v in ("nccl", "one_shot", "two_shot")}
+    assert {(r["rows"], r["variant"]) for r in rows} == {(n, v) for n in (1, 3) for v in (
+        "nccl", "one_shot", "two_shot", "zipage", "nccl+norm", "zipage+norm")}
     for r in rows:
         assert r["bytes"] == r["rows"] * 32 * 4
         if r["variant"] == "nccl":

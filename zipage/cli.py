@@ -47,6 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "checkpoint is detected without this)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model's heads and weights over this many GPUs (processes)")
+    g.add_argument("--all-reduce", default="nccl", choices=["nccl", "one-shot"],
+                   help="how tensor-parallel GPUs sum their partial outputs: NCCL, or one-shot (each GPU "
+                        "reads its peers' rows over NVLink, fused with the norm after it)")
     add_trust_remote_code_arg(g)
     c = parser.add_argument_group("compression (off unless --kv-budget-tokens is given)")
     c.add_argument("--kv-budget-tokens", type=int, default=None,
@@ -96,7 +99,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_chunked_prefill=not getattr(args, "no_chunked_prefill", False),
                 prefill_attention_span=getattr(args, "prefill_attention_span", 0), seed=args.seed,
                 load_format=args.load_format,
-                tensor_parallel_size=args.tensor_parallel_size, logprobs_mode=args.logprobs_mode,
+                tensor_parallel_size=args.tensor_parallel_size, all_reduce=getattr(args, "all_reduce", "nccl"),
+                logprobs_mode=args.logprobs_mode,
                 structured_outputs_disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
                 kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                 trust_remote_code=getattr(args, "trust_remote_code", False))

@@ -39,6 +39,7 @@ def _check_cuda_device(device: str) -> None:
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = (None, "fp8")
+ALL_REDUCES = ("nccl", "one-shot")  # EngineConfig.all_reduce
 
 
 @dataclass
@@ -274,6 +275,11 @@ class EngineConfig:
     load_format: str = "auto"  # "auto": safetensors weights; "dummy": random weights (benchmarks)
     attention_backend: str = "auto"  # "auto", "torch" or "triton"
     tensor_parallel_size: int = 1  # processes (GPUs) sharing the model's heads and weights
+    # How tensor-parallel ranks sum their partial outputs: "nccl" (NCCL's all-reduce) or
+    # "one-shot" (each rank reads its peers' rows from their memory over NVLink, in one kernel
+    # with the residual add and RMSNorm that follow, kernels/one_shot.py; sums of more than
+    # distributed.ONE_SHOT_BUFFER_BYTES still go to NCCL). CUDA only; no effect on one GPU.
+    all_reduce: str = "nccl"
     trust_remote_code: bool = False  # run Python shipped in the model directory (its auto_map)
     # Log probabilities (SamplingParams.logprobs) of the model's logits ("raw", as vLLM's default
     # raw_logprobs) or of the distribution sampled from ("processed": after penalties, temperature,
@@ -319,6 +325,9 @@ class EngineConfig:
                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         tp = self.tensor_parallel_size
         _check(_is_int(tp) and tp >= 1, f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        _check(self.all_reduce in ALL_REDUCES, f"all_reduce must be one of {ALL_REDUCES}, got {self.all_reduce!r}")
+        _check(self.all_reduce == "nccl" or self.is_cuda,
+               f"all_reduce={self.all_reduce!r} needs CUDA GPUs, got device={self.device!r}; use 'nccl'")
         if self.piecewise_graph_tokens is None:
             self.piecewise_graph_tokens = PIECEWISE_GRAPH_TOKENS if self.is_cuda and tp == 1 else 0
         if tp > 1 and self.is_cuda:

@@ -15,8 +15,15 @@ import os
 import torch
 import torch.distributed as dist
 
+from zipage.kernels import one_shot
+
 _rank = 0
 _size = 1
+_one_shot: one_shot.Region | None = None  # the one-shot all-reduce's buffers, when it is on
+# The largest sum the one-shot all-reduce takes (larger ones, long prompts' rows, go to NCCL): a
+# decode step's rows fit many times over (256 rows of Qwen3-8B are 2 MiB), and from about this
+# size a one-shot read of every peer's rows no longer beats NCCL's ring.
+ONE_SHOT_BUFFER_BYTES = 8 << 20
 
 
 def init_tensor_parallel(rank: int | None = None, size: int | None = None, backend: str | None = None,
@@ -48,13 +55,47 @@ def destroy_tensor_parallel() -> None:
     collective is in flight; or rank 0 leaves after a step failed in the middle
     (``ParallelRunner``), once it has killed the other ranks: an abort also ends its
     collectives still queued, and gloo's destroy waits on no peer."""
-    global _rank, _size
+    global _rank, _size, _one_shot
+    _one_shot = None  # before the group goes: its buffers are mapped through it
     if _size > 1 and dist.is_initialized():
         if dist.get_backend() == "nccl":
             dist.distributed_c10d._abort_process_group()  # also forgets the group, as destroy does
         else:
             dist.destroy_process_group()
     _rank, _size = 0, 1
+
+
+def enable_one_shot_all_reduce(device: torch.device, buffer_bytes: int = ONE_SHOT_BUFFER_BYTES,
+                               timeout_s: float = 600.0) -> None:
+    """Sum activations with the one-shot kernel (``kernels/one_shot.py``) from now on: every rank
+    of the group calls this once its CUDA device is set. Each allocates a region of symmetric
+    memory (PyTorch's ``torch.distributed._symmetric_memory``) and maps its peers'; raises
+    ``RuntimeError`` naming what is missing (no NCCL group, no peer access, Triton absent)."""
+    global _one_shot
+    if _size == 1:
+        return
+    if not one_shot.AVAILABLE:
+        raise RuntimeError("the one-shot all-reduce needs Triton; use all_reduce='nccl'")
+    if not dist.is_initialized() or dist.get_backend() != "nccl" or device.type != "cuda":
+        raise RuntimeError(f"the one-shot all-reduce needs an NCCL group on CUDA devices, got "
+                           f"{dist.get_backend() if dist.is_initialized() else 'no group'} on {device}")
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group_name = dist.group.WORLD.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # a no-op or absent in newer PyTorch
+        symm_mem.enable_symm_mem_for_group(group_name)
+    region = symm_mem.empty(one_shot.Region.region_bytes(_size, buffer_bytes), dtype=torch.uint8, device=device)
+    region[: one_shot.Region.signal_bytes(_size)].zero_()  # no signal pending
+    handle = symm_mem.rendezvous(region, group_name)
+    bases = torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
+    torch.cuda.synchronize(device)
+    dist.barrier()  # every rank's signals are zero before any rank signals
+    _one_shot = one_shot.Region(bases, _rank, _size, buffer_bytes, torch.zeros(2, dtype=torch.int32, device=device),
+                                timeout_s, owner=(region, handle))
+
+
+def one_shot_enabled() -> bool:
+    return _one_shot is not None
 
 
 def tp_rank() -> int:
@@ -86,8 +127,35 @@ def partition(num_units: int, what: str = "units") -> tuple[int, int]:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the group, in place."""
     if _size > 1:
+        if _one_shot_fits(x):
+            return one_shot.all_reduce(x, _one_shot)
         dist.all_reduce(x)
     return x
+
+
+def _one_shot_fits(x: torch.Tensor) -> bool:
+    return _one_shot is not None and x.is_cuda and x.is_contiguous() and _one_shot.fits(x)
+
+
+class PartialSum:
+    """A row-parallel projection's output before the sum over the group: its consumer (the
+    RMSNorm after it) sums it together with its own work (``all_reduce_add_rms_norm``)."""
+    __slots__ = ("partial",)
+
+    def __init__(self, partial: torch.Tensor):
+        self.partial = partial
+
+    def reduce(self) -> torch.Tensor:
+        return all_reduce(self.partial)
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``(weight * norm(s + residual), s + residual)``, ``s`` the sum of ``x`` over the group, in
+    one kernel with the one-shot all-reduce; None where that does not apply (the caller then
+    sums and norms in two steps)."""
+    if not _one_shot_fits(x) or residual.dtype != x.dtype:
+        return None
+    return one_shot.all_reduce_add_rms_norm(x, residual, weight, eps, _one_shot)
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

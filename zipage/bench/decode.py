@@ -64,6 +64,8 @@ def add_decode_parser(sub) -> None:
                    help="fp8: float8 e4m3 keys and values with a scale per token and KV head")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs per model; the roofline counts one GPU's share of the weights and KV")
+    p.add_argument("--all-reduce", default="nccl", choices=["nccl", "one-shot"],
+                   help="how tensor-parallel GPUs sum partial outputs (EngineConfig.all_reduce)")
     p.add_argument("--out", default=None, help="write JSON results here")
     p.set_defaults(func=run_decode_bench)
 
@@ -104,7 +106,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
                   max_num_seqs=max(batches), max_model_len=args.context + args.steps + args.profile_steps + 8,
                   enforce_eager=(mode == "eager"), enable_prefix_caching=False, compression=compression,
                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                  tensor_parallel_size=args.tensor_parallel_size,
+                  tensor_parallel_size=args.tensor_parallel_size, all_reduce=args.all_reduce,
                   enable_chunked_prefill=False)  # whole prompts first: then every step decodes the whole batch
         runner = llm.engine.runner
         rng = random.Random(0)

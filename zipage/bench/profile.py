@@ -19,7 +19,7 @@ from zipage.runner.trace import merge_intervals
 
 # (kind, pattern on the lower-cased kernel or operator name); the first match wins
 KINDS = [
-    ("collective", r"nccl|all_reduce|allreduce|all_gather|allgather"),
+    ("collective", r"nccl|all_reduce|allreduce|all_gather|allgather|one_shot"),
     ("compression", r"window_lse|window_attention|redundancy|choose_kept|compact_single_pass|gather_kept|"
                     r"scatter_kept|topk"),
     ("attention", r"decode_split|decode_merge|decode_fp8_probs|prefill_kernel|merge_parts|flash|attention|sdpa"),

@@ -83,6 +83,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 weights, quantized at load")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs per model; the KV cache cap stays the same number of tokens")
+    p.add_argument("--all-reduce", default="nccl", choices=["nccl", "one-shot"],
+                   help="how tensor-parallel GPUs sum partial outputs (EngineConfig.all_reduce)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -201,7 +203,8 @@ def engine_kwargs(mode: str, args, settings: dict, model_dir: str, requests, cac
                   enable_prefix_caching=opts["prefix_caching"], enforce_eager=opts["enforce_eager"],
                   piecewise_graph_tokens=opts["piecewise_graph_tokens"], async_scheduling=opts["async_scheduling"],
                   enable_chunked_prefill=opts["chunked_prefill"], seed=args.seed,
-                  tensor_parallel_size=args.tensor_parallel_size, trust_remote_code=_trust(args),
+                  tensor_parallel_size=args.tensor_parallel_size, all_reduce=getattr(args, "all_reduce", "nccl"),
+                  trust_remote_code=_trust(args),
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                   quantization=getattr(args, "quantization", None))
     if not args.whole_gpu:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zipage.distributed import all_reduce, partition, tp_size
+from zipage.distributed import PartialSum, all_reduce, partition, tp_size
 from zipage.layers import quant
 
 
@@ -147,9 +147,13 @@ class RowParallelLinear(Linear):
             return quant.fp8_linear(x, self.weight, self.weight_scale, bias)
         return F.linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True):
+        """The projection summed over the group; ``reduce=False`` leaves the sum to the RMSNorm that
+        reads the output (a ``PartialSum``, summed in the norm's kernel), when there is no bias."""
         if self.tp_size == 1:
             return self._matmul(x, self.bias)
+        if not reduce and self.bias is None:
+            return PartialSum(self._matmul(x, None))
         y = all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias
 

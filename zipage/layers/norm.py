@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zipage.distributed import PartialSum, all_reduce_add_rms_norm
 from zipage.kernels import norm_rope
 from zipage.layers import quant
 from zipage.layers.fusion import fused
@@ -42,14 +43,25 @@ class RMSNorm(nn.Module):
         reference, not a submodule: the projection belongs to its own parent."""
         object.__setattr__(self, "quantize_for", projection)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x, residual: torch.Tensor | None = None):
         """``norm(x)``; with ``residual``, returns ``(norm(x + residual), x + residual)``. The
-        norm comes as ``quant.QuantizedRows`` when the projection it ``feeds`` quantizes its input."""
-        consumer = self.quantize_for
-        if consumer is not None and consumer.is_fp8 and norm_rope.AVAILABLE and quant.producer_quantizes(x):
+        norm comes as ``quant.QuantizedRows`` when the projection it ``feeds`` quantizes its input.
+        ``x`` may be a ``distributed.PartialSum`` (a row-parallel projection's output): it is summed
+        over the group first, in the norm's kernel where the one-shot all-reduce is on."""
+        if isinstance(x, PartialSum):
+            if residual is not None and not self._quantizes(x.partial):
+                fused_out = all_reduce_add_rms_norm(x.partial, residual, self.weight, self.eps)
+                if fused_out is not None:
+                    return fused_out
+            x = x.reduce()
+        if self._quantizes(x):
             out = norm_rope.add_rms_norm_quantize_triton(x, residual, self.weight, self.eps)
             normed = quant.QuantizedRows(*(out if residual is None else out[0]), x.dtype)
             return normed if residual is None else (normed, out[1])
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+    def _quantizes(self, x: torch.Tensor) -> bool:
+        consumer = self.quantize_for
+        return consumer is not None and consumer.is_fp8 and norm_rope.AVAILABLE and quant.producer_quantizes(x)

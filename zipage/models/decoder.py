@@ -93,11 +93,14 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
+        """The MLP's output; with tensor parallelism, before its sum over the group (a
+        ``distributed.PartialSum``, which the norm after the layer sums)."""
         h = self.gate_up_proj(x)
         if self.down_proj.is_fp8 and quant.producer_quantizes(h):  # W8A8: the SwiGLU quantizes its product
-            return self.down_proj(quant.QuantizedRows(*silu_mul_quantize(h.reshape(-1, h.shape[-1])), h.dtype))
-        return self.down_proj(self.act(h))
+            return self.down_proj(quant.QuantizedRows(*silu_mul_quantize(h.reshape(-1, h.shape[-1])), h.dtype),
+                                  reduce=False)
+        return self.down_proj(self.act(h), reduce=False)
 
 
 class DecoderLayer(nn.Module):
@@ -130,7 +133,8 @@ class DecoderLayer(nn.Module):
     def after_attention(self, attn_out, residual):
         """Output projection, norm and MLP of the attention's output [tokens, heads, head_dim]:
         (hidden, residual)."""
-        hidden = self.self_attn.o_proj(attn_out.flatten(1))
+        # with tensor parallelism the output projections' sums happen in the norms after them
+        hidden = self.self_attn.o_proj(attn_out.flatten(1), reduce=False)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

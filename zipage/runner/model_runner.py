@@ -23,7 +23,7 @@ import torch
 from zipage.attention.backend import select_backend
 from zipage.attention.metadata import AttentionMetadata, attention_metadata
 from zipage.config import DTYPES, EngineConfig
-from zipage.distributed import all_reduce_min
+from zipage.distributed import all_reduce_min, enable_one_shot_all_reduce
 from zipage.engine.sequence import Sequence
 from zipage.layers.fusion import enable_fusion
 from zipage.layers.sampler import SampledLogprobs, Sampler, compute_logprobs
@@ -161,6 +161,8 @@ class ModelRunner:
             elif self.device.index is None:  # memory queries need an explicit index
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+            if config.tensor_parallel_size > 1 and config.all_reduce == "one-shot":  # every rank, before any forward
+                enable_one_shot_all_reduce(self.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         if config.cache.kv_cache_dtype == "fp8":  # before loading weights: a GPU that cannot is refused at once
             check_fp8_kv_support(self.device)
