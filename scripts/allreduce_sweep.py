@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zipage import distributed
+
 VARIANTS = ("nccl", "one_shot", "two_shot", "zipage", "nccl+norm", "zipage+norm")
 EPS = 1e-6
 TIMED_REPLAYS = 20
@@ -61,7 +63,6 @@ def _calls(variant: str, x: torch.Tensor, buf: torch.Tensor | None, group_name: 
     variants: the norm of the sum plus a residual, whose weight and residual are fixed here)."""
     n = x.numel()
     if variant.endswith("+norm"):
-        from zipage import distributed
         from zipage.kernels.norm_rope import add_rms_norm_triton
 
         g = torch.Generator(device="cpu").manual_seed(7)
@@ -76,8 +77,6 @@ def _calls(variant: str, x: torch.Tensor, buf: torch.Tensor | None, group_name: 
                 return distributed.all_reduce_add_rms_norm(x, residual, weight, EPS)[0]
         return call
     if variant == "zipage":
-        from zipage import distributed
-
         def call():
             return distributed.all_reduce(x)
     elif variant == "nccl":
@@ -131,8 +130,6 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, queue) ->
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    from zipage import distributed
-
     # the engine's group (torch.distributed's default group under it), as the engine's ranks join it
     distributed.init_tensor_parallel(rank, size, "nccl" if device.type == "cuda" else "gloo",
                                      f"tcp://127.0.0.1:{port}")
