@@ -402,6 +402,13 @@ if ENGINE_DEVICE == "cuda":  # the one-shot all-reduce (GPUs only): sums fused i
     ENGINE_VARIANTS["full-kv-one-shot"] = (None, True, dict(all_reduce="one-shot"))
     ENGINE_VARIANTS["compressed-one-shot"] = (dict(max_blocks_per_seq=3, asynchronous=True), True,
                                               dict(all_reduce="one-shot"))
+# ZIPAGE_TP_VARIANTS (comma-separated names) runs some of them only (a GPU run with little time)
+if os.environ.get("ZIPAGE_TP_VARIANTS"):
+    _picked = os.environ["ZIPAGE_TP_VARIANTS"].split(",")
+    _unknown = sorted(set(_picked) - set(ENGINE_VARIANTS))
+    if _unknown:
+        raise ValueError(f"ZIPAGE_TP_VARIANTS names unknown variants {_unknown}; known: {list(ENGINE_VARIANTS)}")
+    ENGINE_VARIANTS = {name: ENGINE_VARIANTS[name] for name in _picked}
 
 
 def _engine_tokens(model_dir: str, tensor_parallel_size: int, variant: str, log=lambda stage: None
