@@ -404,6 +404,19 @@ def test_decode_benchmark_tensor_parallel_counts_one_gpus_share(tmp_path):
     assert 0.49 < bytes_per_step[2] / bytes_per_step[1] < 0.51, bytes_per_step
 
 
+@pytest.mark.parametrize("bench", ["decode", "throughput"])
+def test_one_shot_all_reduce_benchmarks_take_one_mode(bench, capsys):
+    """``--all-reduce one-shot`` at tensor-parallel size 2 runs one engine a process, so several
+    --modes are refused before any engine is built (exit code 2, the error names the modes)."""
+    from zipage.cli import main
+
+    modes = "eager,graphs" if bench == "decode" else "full,zipage"
+    argv = ["bench", bench, "--shape", "tiny", "--device", "cpu", "--tensor-parallel-size", "2",
+            "--all-reduce", "one-shot", "--modes", modes]
+    assert main(argv) == 2
+    assert f"runs one engine a process: give one mode, got --modes {modes}" in capsys.readouterr().err
+
+
 def test_qwen3_32b_shape_has_its_published_size(tmp_path):
     """The benchmark shape of Qwen3-32B builds (on the meta device) with its 32.8B parameters: 64 GB of
     bf16 weights, which tensor parallelism splits."""

@@ -108,6 +108,18 @@ def test_without_the_one_shot_group_the_sum_goes_to_nccl():
     assert distributed.PartialSum(x).reduce() is x
 
 
+def test_a_second_one_shot_group_in_a_process_is_refused(monkeypatch):
+    """PyTorch keeps a group's symmetric-memory state by name for the process's life, and the
+    next engine's group has the same name: its setup is refused with a clear error (it would
+    wait in the rendezvous forever)."""
+    monkeypatch.setattr(distributed, "_symmetric_groups", set())
+    distributed.check_fresh_symmetric_group("0")
+    distributed._symmetric_groups.add("0")
+    with pytest.raises(RuntimeError, match="one tensor-parallel engine per process.*all_reduce='nccl'"):
+        distributed.check_fresh_symmetric_group("0")
+    distributed.check_fresh_symmetric_group("1")
+
+
 def test_config_checks_the_all_reduce():
     from zipage.config import EngineConfig
     with pytest.raises(ValueError, match=r"all_reduce must be one of \('nccl', 'one-shot'\), got 'ring'"):

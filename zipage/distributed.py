@@ -24,6 +24,11 @@ _one_shot: one_shot.Region | None = None  # the one-shot all-reduce's buffers, w
 # decode step's rows fit many times over (256 rows of Qwen3-8B are 2 MiB), and from about this
 # size a one-shot read of every peer's rows no longer beats NCCL's ring.
 ONE_SHOT_BUFFER_BYTES = 8 << 20
+# Groups (by name) this process has set symmetric memory up for. PyTorch keeps a group's
+# symmetric-memory state (its store) by name for the life of the process, and a new group gets
+# the same name as the one before it ("0"): a second setup would wait in the rendezvous forever
+# (seen on two H200s, torch 2.11), so it is refused instead.
+_symmetric_groups: set[str] = set()
 
 
 def init_tensor_parallel(rank: int | None = None, size: int | None = None, backend: str | None = None,
@@ -82,8 +87,8 @@ def enable_one_shot_all_reduce(device: torch.device, buffer_bytes: int = ONE_SHO
     import torch.distributed._symmetric_memory as symm_mem
 
     group_name = dist.group.WORLD.group_name
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # a no-op or absent in newer PyTorch
-        symm_mem.enable_symm_mem_for_group(group_name)
+    check_fresh_symmetric_group(group_name)
+    _symmetric_groups.add(group_name)
     region = symm_mem.empty(one_shot.Region.region_bytes(_size, buffer_bytes), dtype=torch.uint8, device=device)
     region[: one_shot.Region.signal_bytes(_size)].zero_()  # no signal pending
     handle = symm_mem.rendezvous(region, group_name)
@@ -92,6 +97,16 @@ def enable_one_shot_all_reduce(device: torch.device, buffer_bytes: int = ONE_SHO
     dist.barrier()  # every rank's signals are zero before any rank signals
     _one_shot = one_shot.Region(bases, _rank, _size, buffer_bytes, torch.zeros(2, dtype=torch.int32, device=device),
                                 timeout_s, owner=(region, handle))
+
+
+def check_fresh_symmetric_group(group_name: str) -> None:
+    """Raise ``RuntimeError`` when this process has set the one-shot all-reduce up for a group of
+    this name before (an earlier engine): one engine with it per process."""
+    if group_name in _symmetric_groups:
+        raise RuntimeError("all_reduce='one-shot' works for one tensor-parallel engine per process: this "
+                           "process built one before, and PyTorch's symmetric memory keeps that group's state "
+                           "(a second setup would wait forever); build this engine with all_reduce='nccl', or "
+                           "in a new process")
 
 
 def one_shot_enabled() -> bool:

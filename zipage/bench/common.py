@@ -89,3 +89,11 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)
+
+
+def check_one_engine_a_process(args, modes: list[str]) -> None:
+    """``--all-reduce one-shot`` with tensor parallelism runs one engine a process
+    (``distributed.check_fresh_symmetric_group``): refuse several modes before any run."""
+    if getattr(args, "all_reduce", "nccl") == "one-shot" and args.tensor_parallel_size > 1 and len(modes) > 1:
+        raise ValueError(f"--all-reduce one-shot with --tensor-parallel-size {args.tensor_parallel_size} runs one "
+                         f"engine a process: give one mode, got --modes {','.join(modes)}")

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S, model_dir_for, print_table, write_json
+from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S, check_one_engine_a_process, model_dir_for, print_table, write_json
 from zipage.bench.profile import StepProfiler, breakdown
 from zipage.runner.kv_cache import bytes_per_block
 
@@ -93,6 +93,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     if args.steps < 3 or args.profile_steps < 0:
         raise ValueError(f"--steps must be >= 3 (got {args.steps}) and --profile-steps >= 0 "
                          f"(got {args.profile_steps})")
+    check_one_engine_a_process(args, args.modes.split(","))
     variants = _variants(args)
     model_dir, load_format = model_dir_for(args.model, args.shape, args.arch, full_vocab="json" in variants)
     batches = [int(b) for b in args.batch.split(",")]

@@ -21,7 +21,8 @@ from dataclasses import replace
 
 import torch
 
-from zipage.bench.common import copy_bandwidth, device_name, model_dir_for, print_table, run_device, write_json
+from zipage.bench.common import (check_one_engine_a_process, copy_bandwidth, device_name, model_dir_for, print_table,
+                                 run_device, write_json)
 from zipage.bench.workloads import WORKLOADS, make_workload, peak_kv_demand, requests_for_demand
 from zipage.runner.kv_cache import bytes_per_block
 
@@ -474,6 +475,7 @@ def prepare_workload(args: argparse.Namespace):
     modes = args.modes.split(",")
     for mode in modes:  # reject a bad mode before any run
         mode_options(mode, args, settings)
+    check_one_engine_a_process(args, modes)
     return settings, model_dir, load_format, requests, cache_tokens, modes
 
 
