@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from zipage.bench.common import COPY_BANDWIDTH_BYTES_PER_S, check_one_engine_a_process, model_dir_for, print_table, write_json
+from zipage.bench.common import (COPY_BANDWIDTH_BYTES_PER_S, check_one_engine_a_process, model_dir_for, print_table,
+                                 write_json)
 from zipage.bench.profile import StepProfiler, breakdown
 from zipage.runner.kv_cache import bytes_per_block
 
