@@ -30,6 +30,7 @@ the block accounting against this simulation.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -44,6 +45,9 @@ from zipage.engine.block_manager import BlockManager, chain_hash
 from zipage.engine.scheduler import Scheduler
 from zipage.engine.sequence import Sequence, SequenceStatus
 from zipage.sampling_params import SamplingParams
+
+# random workloads of the hybrid-scheduling property test (ZIPAGE_PROPERTY_EXAMPLES for a longer run)
+EXAMPLES = int(os.environ.get("ZIPAGE_PROPERTY_EXAMPLES", "0")) or 500
 
 
 def fake_token(request_id: str, position: int, vocab: int = 3) -> int:
@@ -896,7 +900,7 @@ def hybrid_workloads(draw):
     return engine_args, requests
 
 
-@settings(max_examples=2000, deadline=None, derandomize=True,
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(hybrid_workloads())
 def test_random_hybrid_workloads(workload):
