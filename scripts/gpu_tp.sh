@@ -5,7 +5,8 @@
 #   test        the tensor-parallel tests on CUDA (NCCL, CUDA graphs): sharded layers and models against
 #               one process, the engine's greedy tokens at TP=2 against size 1 (full KV, compression);
 #               TEST_TIMEOUT (default 540 s) bounds them, TESTS (a pytest -k expression, e.g. engine) picks some
-#   decode      whole decode steps, Qwen3-8B shape, batch 1/64/256, context 1,024: TP=1, then TP
+#   decode      whole decode steps, Qwen3-8B shape, batch 1/64/256, context 1,024: one rank's layers alone
+#               on one GPU (--one-rank-of TP: the most TP can reach), then TP=1, then TP
 #   profile     the same at batch 64 and 256 with where 4 steps' time goes by kernel kind (collectives,
 #               matmuls, attention, ...), rank 0's kernels: TP=1, then TP
 #   allreduce   one all-reduce at a step's sizes (1-256 rows of 4,096 bf16) in CUDA graphs: NCCL against
@@ -65,6 +66,11 @@ case "$part" in
     ZIPAGE_TEST_DEVICE=cuda TRITON_INTERPRET=0 timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -x -p no:cacheprovider \
       ${TESTS:+-k "$TESTS"} tests/test_tensor_parallel.py 2>&1 | tail -5 ;;
   decode)
+    if [ "$tp" -gt 1 ]; then
+      stamp "one rank's layers of TP=$tp alone on one GPU, Qwen3-8B shape"
+      python3 -m zipage.cli bench decode --shape qwen3-8b --batch 1,64,256 --modes graphs --steps 32 \
+        --one-rank-of "$tp" --out "$RESULTS/decode-one-rank-of-$tp.json" 2>&1 | grep -v "it/s\]" | tail -4
+    fi
     for size in 1 "$tp"; do
       stamp "whole decode steps, Qwen3-8B shape, TP=$size"
       python3 -m zipage.cli bench decode --shape qwen3-8b --batch 1,64,256 --modes graphs --steps 32 \

@@ -403,6 +403,34 @@ def test_decode_benchmark_tensor_parallel_counts_one_gpus_share(tmp_path):
         bytes_per_step[tp] = row["bytes_per_step"]
     # the weights and the KV both split in two (the norms, replicated, are a few hundred bytes)
     assert 0.49 < bytes_per_step[2] / bytes_per_step[1] < 0.51, bytes_per_step
+    # --one-rank-of 2: one rank's layers alone, in this process: the bytes of rank 0 at TP=2
+    out = tmp_path / "decode-one-rank.json"
+    assert cli_main(["bench", "decode", "--shape", "tiny", "--batch", "4", "--context", "256", "--steps", "4",
+                     "--modes", "eager", "--device", "cpu", "--block-size", "16", "--one-rank-of", "2",
+                     "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    (row,) = record["rows"]
+    assert record["one_rank_of"] == 2 and row["one_rank_of"] == 2 and "tp" not in row
+    assert row["bytes_per_step"] == bytes_per_step[2], (row["bytes_per_step"], bytes_per_step)
+
+
+def test_one_rank_shape_divides_the_layers_a_rank_holds(capsys):
+    from zipage.bench.common import one_rank_shape
+
+    assert one_rank_shape("qwen3-8b", "qwen3", 2) == dict(num_attention_heads=16, num_key_value_heads=4,
+                                                          intermediate_size=6144, head_dim=128, vocab_size=75968)
+    # a config without head_dim keeps its head size; the vocabulary rounds up as the split pads it
+    assert one_rank_shape("llama3-8b", "llama", 4) == dict(num_attention_heads=8, num_key_value_heads=2,
+                                                           intermediate_size=3584, head_dim=128, vocab_size=32064)
+    with pytest.raises(ValueError, match="num_key_value_heads=2 of shape 'tiny' does not divide by 4"):
+        one_rank_shape("tiny", "qwen3", 4)
+    with pytest.raises(ValueError, match="mixture of experts"):
+        one_rank_shape("qwen3-30b-a3b", "qwen3", 2)
+    for bad, error in ((["--one-rank-of", "0"], "--one-rank-of must be >= 1, got 0"),
+                       (["--one-rank-of", "2", "--tensor-parallel-size", "2"], "not with --model or --tensor-par"),
+                       (["--one-rank-of", "2", "--variants", "plain,json"], "not with the json variant")):
+        assert cli_main(["bench", "decode", "--shape", "tiny", "--device", "cpu", *bad]) == 2
+        assert error in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bench", ["decode", "throughput"])

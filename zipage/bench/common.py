@@ -15,15 +15,43 @@ import torch
 COPY_BANDWIDTH_BYTES_PER_S = 4.27e12  # measured device-to-device copy on the H200 (2026-11-29)
 
 
-def model_dir_for(model: str | None, shape: str, arch: str, full_vocab: bool = False) -> tuple[str, str]:
+def model_dir_for(model: str | None, shape: str, arch: str, full_vocab: bool = False,
+                  one_rank_of: int = 1) -> tuple[str, str]:
     """(directory, load_format): a real checkpoint, or a named shape's config with dummy weights
-    (``full_vocab``: with a synthetic tokenizer of the shape's vocabulary size)."""
+    (``full_vocab``: with a synthetic tokenizer of the shape's vocabulary size; ``one_rank_of`` N > 1:
+    the layers one rank of tensor parallelism over N GPUs holds, ``one_rank_shape``)."""
     if model:
         return model, "auto"
     from zipage.utils.checkpoint import make_checkpoint
-    path = os.path.join(tempfile.gettempdir(), f"zipage-shape-{arch}-{shape}{'-full-vocab' if full_vocab else ''}")
-    make_checkpoint(path, arch=arch, shape=shape, dtype=torch.bfloat16, with_weights=False, full_vocab=full_vocab)
+    overrides = one_rank_shape(shape, arch, one_rank_of) if one_rank_of > 1 else {}
+    path = os.path.join(tempfile.gettempdir(), f"zipage-shape-{arch}-{shape}{'-full-vocab' if full_vocab else ''}"
+                                               f"{f'-rank-of-{one_rank_of}' if one_rank_of > 1 else ''}")
+    make_checkpoint(path, arch=arch, shape=shape, dtype=torch.bfloat16, with_weights=False, full_vocab=full_vocab,
+                    **overrides)
     return path, "dummy"
+
+
+def one_rank_shape(shape: str, arch: str, tp: int) -> dict:
+    """Config overrides that make a dense ``shape`` the model one rank holds at tensor-parallel size
+    ``tp``: its query and KV heads, MLP width and vocabulary (rounded up, as the vocabulary split
+    pads) divided by ``tp``; the head size, hidden size, norms and layers stay. Run on one GPU, it is
+    a rank's compute without the collectives."""
+    from zipage.utils.checkpoint import SHAPES, build_tokenizer, hf_config
+    config = hf_config(arch, shape)
+    if getattr(config, "num_experts", None):
+        raise ValueError(f"shape {shape!r} is a mixture of experts: one rank's share is for dense shapes only")
+    fields = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+              "intermediate_size": config.intermediate_size}
+    for name, value in fields.items():
+        if value % tp:
+            raise ValueError(f"one rank of {tp}: {name}={value} of shape {shape!r} does not divide by {tp}")
+    overrides = {name: value // tp for name, value in fields.items()}
+    # the head size stays (a config without head_dim would derive it from the hidden size and the
+    # fewer heads); the engine reads head_dim from any architecture's config
+    overrides["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    vocab_size = SHAPES[shape].get("vocab_size") or len(build_tokenizer())  # (tiny: its tokenizer's)
+    overrides["vocab_size"] = -(-vocab_size // tp)
+    return overrides
 
 
 def run_device(device: str | torch.device | None) -> torch.device:

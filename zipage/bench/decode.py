@@ -6,6 +6,12 @@ the step's unavoidable bytes (weights once, plus every request's KV) take at the
 measured copy bandwidth; with ``--tensor-parallel-size`` N, one GPU's share of them
 (its shards of the weights, its KV heads), which the N GPUs read at the same time.
 
+``--one-rank-of N`` decodes, on one GPU, the layers one rank of tensor parallelism over N GPUs
+holds (the shape's query and KV heads, MLP width and vocabulary divided by N): a rank's compute
+without the collectives. A TP=N step takes that plus its collectives and the waits between the
+ranks, so it bounds what TP=N can reach and, against ``--tensor-parallel-size N``, measures what the
+collectives cost.
+
 ``--variants`` runs each batch again with the sampling features a server uses, each
 printed beside the plain run (``vs_plain``: its mean step's tokens/s over plain's):
 ``penalties`` (repetition, presence and frequency on every request), ``logprobs`` (5
@@ -67,6 +73,10 @@ def add_decode_parser(sub) -> None:
                    help="GPUs per model; the roofline counts one GPU's share of the weights and KV")
     p.add_argument("--all-reduce", default="nccl", choices=["nccl", "one-shot"],
                    help="how tensor-parallel GPUs sum partial outputs (EngineConfig.all_reduce)")
+    p.add_argument("--one-rank-of", type=int, default=1, metavar="N",
+                   help="decode on one GPU the layers one rank of tensor parallelism over N GPUs holds (the "
+                        "shape's heads, KV heads, MLP width and vocabulary divided by N): a rank's compute "
+                        "without the collectives, the most TP=N can reach")
     p.add_argument("--out", default=None, help="write JSON results here")
     p.set_defaults(func=run_decode_bench)
 
@@ -94,9 +104,17 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     if args.steps < 3 or args.profile_steps < 0:
         raise ValueError(f"--steps must be >= 3 (got {args.steps}) and --profile-steps >= 0 "
                          f"(got {args.profile_steps})")
+    if args.one_rank_of < 1:
+        raise ValueError(f"--one-rank-of must be >= 1, got {args.one_rank_of}")
+    if args.one_rank_of > 1 and (args.model or args.tensor_parallel_size > 1):
+        raise ValueError("--one-rank-of shrinks a --shape to one rank's layers on one GPU: not with --model or "
+                         f"--tensor-parallel-size {args.tensor_parallel_size}")
     check_one_engine_a_process(args, args.modes.split(","))
     variants = _variants(args)
-    model_dir, load_format = model_dir_for(args.model, args.shape, args.arch, full_vocab="json" in variants)
+    if args.one_rank_of > 1 and "json" in variants:
+        raise ValueError("--one-rank-of: not with the json variant (its tokenizer spans the whole vocabulary)")
+    model_dir, load_format = model_dir_for(args.model, args.shape, args.arch, full_vocab="json" in variants,
+                                           one_rank_of=args.one_rank_of)
     batches = [int(b) for b in args.batch.split(",")]
     compression = None
     if args.kv_budget_tokens is not None:
@@ -119,6 +137,8 @@ def run_decode_bench(args: argparse.Namespace) -> int:
                 row = dict(mode=mode, batch=batch, context=args.context)
                 if args.tensor_parallel_size > 1:
                     row["tp"] = args.tensor_parallel_size
+                if args.one_rank_of > 1:
+                    row["one_rank_of"] = args.one_rank_of
                 if len(variants) > 1:
                     row["sampling"] = variant
                 row.update(_run_batch(llm, args, prompts, make_params))
@@ -141,7 +161,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     write_json(args.out, dict(benchmark="decode", model=args.model or args.shape, rows=rows,
                               block_size=args.block_size, steps=args.steps, kv_budget_tokens=args.kv_budget_tokens,
                               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                              tensor_parallel_size=args.tensor_parallel_size,
+                              tensor_parallel_size=args.tensor_parallel_size, one_rank_of=args.one_rank_of,
                               json_schema=JSON_SCHEMA if "json" in variants else None))
     return 0
 

@@ -218,7 +218,7 @@ def make_checkpoint(path: str, arch: str = "qwen3", shape: str = "tiny", dtype: 
         tokenizer = build_tokenizer(SHAPES[shape]["vocab_size"] - 256, thinking=thinking, synthetic=True)
     else:
         tokenizer = build_tokenizer(thinking=thinking)
-    vocab = None if "vocab_size" in SHAPES[shape] else len(tokenizer)
+    vocab = overrides.pop("vocab_size", None) or (None if "vocab_size" in SHAPES[shape] else len(tokenizer))
     config = hf_config(arch, shape, vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
                        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **overrides)
     config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
