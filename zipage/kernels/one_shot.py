@@ -20,8 +20,8 @@ announcement wait, so no signal is lost; the slots are ready again after every c
 Buffers. Calls alternate between the two buffers by a per-rank count of calls (``epoch``,
 device memory, advanced by the last program to finish). A rank writes buffer ``e % 2`` at call
 ``e`` once its call ``e - 1`` has finished (the kernel is launched without programmatic
-dependent launch, so it starts after the kernel before it has ended), which means every peer had started call ``e - 1``,
-so had finished call ``e - 2``, the last one to read that buffer. No barrier is needed at the
+dependent launch, so it starts after the kernel before it has ended), which means every peer
+had started call ``e - 1``, so had finished call ``e - 2``, the last one to read that buffer. No barrier is needed at the
 end of a call, and the scheme does not depend on which calls a CUDA graph holds or on the
 order of graphs and eager calls: only on every rank making the same calls in the same order,
 which the engine's ranks do (they run the same forwards).
