@@ -21,10 +21,10 @@ Buffers. Calls alternate between the two buffers by a per-rank count of calls (`
 device memory, advanced by the last program to finish). A rank writes buffer ``e % 2`` at call
 ``e`` once its call ``e - 1`` has finished (the kernel is launched without programmatic
 dependent launch, so it starts after the kernel before it has ended), which means every peer
-had started call ``e - 1``, so had finished call ``e - 2``, the last one to read that buffer. No barrier is needed at the
-end of a call, and the scheme does not depend on which calls a CUDA graph holds or on the
-order of graphs and eager calls: only on every rank making the same calls in the same order,
-which the engine's ranks do (they run the same forwards).
+had started call ``e - 1``, so had finished call ``e - 2``, the last one to read that buffer. No
+barrier is needed at the end of a call, and the scheme does not depend on which calls a CUDA
+graph holds or on the order of graphs and eager calls: only on every rank making the same calls
+in the same order, which the engine's ranks do (they run the same forwards).
 
 Sums run in float32 over the ranks in rank order, so every rank gets the same bits; with two
 ranks they equal NCCL's (one rounding of ``a + b``). The fused form then rounds, adds the
